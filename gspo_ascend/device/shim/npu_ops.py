@@ -1,0 +1,750 @@
+"""CPU reference implementations of the torch_npu fused ops this project calls.
+
+Each function has torch_npu's name, argument names and defaults, and follows the semantics documented by
+torch_npu (Ascend/op-plugin ``docs/.../torch_npu-<op>.md`` and the meta registrations; summarised in
+``reference/npu_api.md`` §1 and §8). They are written as plain differentiable torch compositions, so autograd
+works without hand-written backward kernels.
+
+How the emulation differs from the hardware, for every op:
+
+* Numerics: low-precision inputs (fp16/bf16) are upcast to fp32 for the arithmetic and the result is cast back,
+  the way the fused kernels accumulate; fp64 inputs stay fp64 (the tests compare gradients in fp64). Results
+  therefore agree with the NPU to rounding, not bit for bit.
+* Speed and memory: these are reference implementations (attention materialises the full score matrix).
+* Arguments that only steer the hardware (tiling hints, ``gen_mask_parallel``, ``sync``, ``inner_precise``)
+  are accepted and ignored; arguments whose semantics are not emulated (dropout, ``pse``, quantisation)
+  raise ``ValueError`` rather than silently computing something else.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "npu_fusion_attention",
+    "npu_grouped_matmul",
+    "npu_moe_finalize_routing",
+    "npu_moe_gating_top_k_softmax",
+    "npu_moe_init_routing",
+    "npu_moe_token_permute",
+    "npu_moe_token_unpermute",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_swiglu",
+]
+
+_INT32_MAX = 2147483647
+_COMPRESSED_MASK_SIZE = 2048
+_STAT_REPLICAS = 8  # softmax_max / softmax_sum are replicated 8 times in the last dim (one 32-byte block)
+_FA_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp16/bf16/fp32 (the kernels accumulate in fp32), fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Normalisation, rotary embedding, activation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
+    """RMSNorm: ``y = x * rsqrt(mean(x^2) + eps) * gamma`` over the trailing ``gamma.dim()`` dims.
+
+    torch_npu returns a tuple ``(y, rstd)``: ``y`` has the dtype and shape of ``x``; ``rstd`` is float32 with
+    shape ``x.shape[:x.dim()-gamma.dim()] + [1]*gamma.dim()`` (keepdim). The arithmetic is fp32 (as in
+    torch_npu's inductor decomposition); ``gamma`` may be fp32 while ``x`` is fp16/bf16.
+
+    Emulation difference: ``rstd`` is returned detached. On the NPU it is a saved activation consumed by
+    ``npu_rms_norm_backward(dy, x, gamma, rstd)``; gradients flow to ``x`` and ``gamma`` only through ``y``.
+    """
+    x = self  # [..., *gamma.shape]
+    if gamma.dim() < 1 or tuple(x.shape[x.dim() - gamma.dim() :]) != tuple(gamma.shape):
+        raise ValueError(
+            f"npu_rms_norm: gamma shape {tuple(gamma.shape)} must match the trailing dims of x {tuple(x.shape)}"
+        )
+    cdt = _compute_dtype(x.dtype)
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    x32 = x.to(cdt)
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + epsilon)  # [..., 1, ..., 1]
+    y = (x32 * rstd * gamma.to(cdt)).to(x.dtype)
+    return y, rstd.detach().to(torch.float32)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_interleave(x: torch.Tensor) -> torch.Tensor:
+    # pairs (x0, x1), (x2, x3), ... become (-x1, x0), (-x3, x2), ...
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def npu_rotary_mul(
+    self: torch.Tensor,
+    r1: torch.Tensor,
+    r2: torch.Tensor,
+    rotary_mode: str = "half",
+    rotate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotary position embedding: ``out = x * r1 + rotate(x) * r2`` (r1 = cos, r2 = sin).
+
+    * ``rotary_mode='half'``: ``rotate(x) = cat(-x2, x1)`` with ``x1, x2 = chunk(x, 2, -1)`` (HF rotate_half).
+    * ``rotary_mode='interleave'``: ``rotate(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``.
+    * ``rotate`` (a 2-D ``[D, D]`` matrix): ``rotate(x) = x @ rotate``.
+
+    ``x`` is 3-D or 4-D (BNSD, BSND, SBND or TND); ``r1``/``r2`` broadcast against it (11SD, 1S1D, ...). The
+    output has the shape and dtype of ``x``.
+
+    Emulation differences: the hardware restricts D (even, < 896) and requires r1/r2 in [-1, 1]; only the
+    evenness of D is checked here. With a ``rotate`` matrix the NPU op has no backward; here autograd still
+    works. Newer torch_npu modes (e.g. 'quarter') are not emulated and raise ``ValueError``.
+    """
+    x = self  # [B, N, S, D] (or another documented layout)
+    if x.shape[-1] % 2:
+        raise ValueError(f"npu_rotary_mul: the last dim of x must be even, got {x.shape[-1]}")
+    cdt = _compute_dtype(x.dtype)
+    xc = x.to(cdt)
+    if rotate is not None:
+        if rotate.dim() != 2:
+            raise ValueError(f"npu_rotary_mul: rotate must be a 2-D [D, D] matrix, got shape {tuple(rotate.shape)}")
+        rotated = xc @ rotate.to(cdt)
+    elif rotary_mode == "half":
+        rotated = _rotate_half(xc)
+    elif rotary_mode == "interleave":
+        rotated = _rotate_interleave(xc)
+    else:
+        raise ValueError(f"npu_rotary_mul: rotary_mode must be 'half' or 'interleave' (emulated), got {rotary_mode!r}")
+    return (xc * r1.to(cdt) + rotated * r2.to(cdt)).to(x.dtype)
+
+
+def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """SwiGLU: ``a, b = chunk(x, 2, dim); out = silu(a) * b``. The first half is the gate.
+
+    The output is half the size of ``x`` along ``dim`` (verl passes ``cat(gate_proj, up_proj)``). Computed in
+    fp32 and cast back to ``x``'s dtype.
+    """
+    x = self  # [..., 2*I, ...] along dim
+    if x.shape[dim] % 2:
+        raise ValueError(f"npu_swiglu: size {x.shape[dim]} along dim {dim} must be even")
+    a, b = torch.chunk(x.to(_compute_dtype(x.dtype)), 2, dim=dim)
+    return (F.silu(a) * b).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# npu_fusion_attention
+# ---------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _compressed_causal_mask() -> torch.Tensor:
+    return torch.triu(torch.ones(_COMPRESSED_MASK_SIZE, _COMPRESSED_MASK_SIZE, dtype=torch.bool), diagonal=1)
+
+
+def _check_compressed_mask(mask: torch.Tensor, sparse_mode: int) -> None:
+    """Modes 2/3/4 take the compressed ``triu(ones(2048, 2048), 1)`` mask; anything else is a caller bug.
+
+    On the NPU a wrong mask gives silently wrong results; refusing it here surfaces the bug on CPU.
+    """
+    leading_ones = mask.dim() > 2 and all(size == 1 for size in mask.shape[:-2])
+    squeezed = mask.reshape(mask.shape[-2:]) if leading_ones else mask
+    if squeezed.dim() != 2 or not torch.equal(squeezed.cpu(), _compressed_causal_mask()):
+        raise ValueError(
+            f"npu_fusion_attention: sparse_mode={sparse_mode} expects the compressed mask "
+            f"torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1), got shape {tuple(mask.shape)}"
+        )
+
+
+def _band(sq: int, skv: int, pre: int, nxt: int, offset: int, device: torch.device) -> torch.Tensor:
+    """Keep ``-pre <= (j - i - offset) <= nxt``; offset 0 = top-left origin, ``skv - sq`` = bottom-right."""
+    i = torch.arange(sq, device=device).unsqueeze(1)
+    j = torch.arange(skv, device=device).unsqueeze(0)
+    d = j - i - offset
+    return (d <= nxt) & (d >= -pre)  # [Sq, Skv]
+
+
+def _keep_mask(
+    atten_mask: torch.Tensor | None, sq: int, skv: int, sparse_mode: int, pre: int, nxt: int, varlen: bool
+) -> torch.Tensor | None:
+    """Boolean keep-mask (True = attend) broadcastable to ``[B, N, Sq, Skv]``, or None for full attention.
+
+    Keep rules by sparse_mode (npu_api.md §8): 0 = ~mask within the band -pre <= j-i <= next (top-left origin);
+    1 = ~mask; 2 = j <= i; 3 = j <= i + Skv - Sq; 4 = the band around the bottom-right diagonal. A None mask
+    means full attention: sparse_mode and pre/next are then ignored (documented).
+    """
+    if atten_mask is None:
+        return None
+    mask = atten_mask if atten_mask.dtype == torch.bool else atten_mask != 0  # True/1 = masked out
+    device = mask.device
+    if sparse_mode in (0, 1):
+        if varlen:  # varlen takes only an SS mask of [maxSq, maxSkv]; each sequence uses its top-left block
+            if mask.dim() != 2 or mask.shape[0] < sq or mask.shape[1] < skv:
+                raise ValueError(
+                    f"npu_fusion_attention: TND takes an SS mask covering [{sq}, {skv}], got {tuple(mask.shape)}"
+                )
+            mask = mask[:sq, :skv]
+        elif mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (sq, skv):
+            raise ValueError(
+                f"npu_fusion_attention: atten_mask must be BNSS, B1SS, 11SS or SS with S dims ({sq}, {skv}), "
+                f"got {tuple(mask.shape)}"
+            )
+        keep = ~mask
+        if sparse_mode == 0:
+            keep = keep & _band(sq, skv, pre, nxt, 0, device)
+        return keep
+    if sparse_mode in (2, 3, 4):
+        _check_compressed_mask(mask, sparse_mode)
+        if sparse_mode == 2:
+            return _band(sq, skv, _INT32_MAX, 0, 0, device)
+        if sparse_mode == 3:
+            return _band(sq, skv, _INT32_MAX, 0, skv - sq, device)
+        return _band(sq, skv, pre, nxt, skv - sq, device)
+    raise ValueError(
+        f"npu_fusion_attention: sparse_mode={sparse_mode} is not emulated (0-4 are; 5/6 prefix and 7/8 "
+        "varlen split modes are not)"
+    )
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, scale: float):
+    """``softmax(mask(scale * q k^T)) v`` for BNSD tensors; returns (out, row_max, row_sum).
+
+    q: [B, N, Sq, D], k: [B, Nkv, Skv, D], v: [B, Nkv, Skv, Dv]; KV heads are expanded with
+    repeat_interleave(N / Nkv) (GQA). Rows with every key masked give 0 (an assumption: the NPU docs only say
+    such rows lose precision unless inner_precise=2). row_max / row_sum are the softmax statistics of the
+    scaled scores, [B, N, Sq] in fp32.
+    """
+    cdt = _compute_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale  # [B, N, Sq, Skv]
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    # softmax is shift invariant, so the max can be detached without changing any gradient.
+    row_max = scores.detach().amax(dim=-1, keepdim=True)  # [B, N, Sq, 1]
+    empty_row = row_max == float("-inf")
+    p = torch.exp(scores - torch.where(empty_row, torch.zeros_like(row_max), row_max))
+    row_sum = p.sum(dim=-1, keepdim=True)
+    probs = p / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+    out = torch.matmul(probs, v.to(cdt)).to(q.dtype)  # [B, N, Sq, Dv]
+    # Fully masked rows: a very negative finite max keeps ring-attention style updates (exp(m_old - m_new))
+    # free of NaN; the NPU's exact value for such rows is undocumented.
+    stat_max = torch.where(empty_row, torch.full_like(row_max, torch.finfo(torch.float32).min), row_max)
+    return out, stat_max.squeeze(-1).float(), row_sum.detach().squeeze(-1).float()
+
+
+def _head_dims(query, key, value, head_num: int, layout: str) -> tuple[int, int, int]:
+    """(Nkv, D, Dv) from the inputs; for BSH/SBH the head split is implied by ``head_num``."""
+    if layout in ("BSH", "SBH"):
+        if query.shape[-1] % head_num:
+            raise ValueError(f"npu_fusion_attention: hidden {query.shape[-1]} is not divisible by head_num={head_num}")
+        d = query.shape[-1] // head_num
+        if key.shape[-1] % d:
+            raise ValueError(f"npu_fusion_attention: key hidden {key.shape[-1]} is not a multiple of head dim {d}")
+        nkv = key.shape[-1] // d
+        return nkv, d, value.shape[-1] // nkv
+    n_axis = {"BSND": 2, "BNSD": 1, "TND": 1}[layout]
+    if query.shape[n_axis] != head_num:
+        raise ValueError(f"npu_fusion_attention: query has {query.shape[n_axis]} heads, head_num={head_num}")
+    return key.shape[n_axis], query.shape[-1], value.shape[-1]
+
+
+def _to_bnsd(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "BSH":  # [B, S, N*D]
+        b, s, h = t.shape
+        return t.reshape(b, s, heads, h // heads).transpose(1, 2)
+    s, b, h = t.shape  # SBH: [S, B, N*D]
+    return t.reshape(s, b, heads, h // heads).permute(1, 2, 0, 3)
+
+
+def _from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    b, n, s, d = t.shape  # [B, N, S, Dv]
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "BSH":
+        return t.transpose(1, 2).reshape(b, s, n * d)
+    return t.permute(2, 0, 1, 3).reshape(s, b, n * d)  # SBH
+
+
+def _seq_bounds(cumulative: Sequence[int], total: int, name: str) -> list[tuple[int, int]]:
+    """Cumulative ends without a leading 0 -> [(start, end)]; trailing zeros skip the remaining batches."""
+    bounds, prev = [], 0
+    for end in (int(e) for e in cumulative):
+        if end < prev:  # documented: trailing zeros mark batches that do not take part
+            break
+        bounds.append((prev, end))
+        prev = end
+    if prev > total:
+        raise ValueError(f"npu_fusion_attention: {name} ends at {prev} but the tensor has only {total} tokens")
+    return bounds
+
+
+def _as_int_list(values) -> list[int]:
+    if values is None:
+        raise ValueError("npu_fusion_attention: input_layout='TND' requires actual_seq_qlen and actual_seq_kvlen")
+    return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
+
+
+def _fusion_attention_varlen(query, key, value, head_num, atten_mask, scale, pre, nxt, seq_q, seq_kv, sparse_mode):
+    """TND: q [T, N, D], k/v [Tkv, Nkv, D(v)]; each sequence attends only within itself.
+
+    Returns out [T, N, Dv] and the statistics [N, T] (rows past the last sequence are 0 / fully masked).
+    """
+    q_bounds = _seq_bounds(_as_int_list(seq_q), query.shape[0], "actual_seq_qlen")
+    kv_bounds = _seq_bounds(_as_int_list(seq_kv), key.shape[0], "actual_seq_kvlen")
+    if len(q_bounds) != len(kv_bounds):
+        raise ValueError(f"npu_fusion_attention: {len(q_bounds)} query sequences but {len(kv_bounds)} key sequences")
+    n, dv = query.shape[1], value.shape[-1]
+    outs, maxes, sums = [], [], []
+    for (qs, qe), (ks, ke) in zip(q_bounds, kv_bounds, strict=True):
+        sq, skv = qe - qs, ke - ks
+        if sq == 0:
+            continue
+        if skv == 0:  # nothing to attend to: fully masked rows
+            outs.append(query.new_zeros(sq, n, dv))
+            maxes.append(torch.full((n, sq), torch.finfo(torch.float32).min))
+            sums.append(torch.zeros(n, sq))
+            continue
+        keep = _keep_mask(atten_mask, sq, skv, sparse_mode, pre, nxt, varlen=True)
+        qi, ki, vi = (t.permute(1, 0, 2).unsqueeze(0) for t in (query[qs:qe], key[ks:ke], value[ks:ke]))
+        o, m, s = _attention_core(qi, ki, vi, keep, scale)  # [1, N, sq, Dv], [1, N, sq]
+        outs.append(o[0].permute(1, 0, 2))
+        maxes.append(m[0])
+        sums.append(s[0])
+    tail = query.shape[0] - (q_bounds[-1][1] if q_bounds else 0)
+    if tail:
+        outs.append(query.new_zeros(tail, n, dv))
+        maxes.append(torch.full((n, tail), torch.finfo(torch.float32).min))
+        sums.append(torch.zeros(n, tail))
+    return torch.cat(outs, 0), torch.cat(maxes, 1), torch.cat(sums, 1)
+
+
+def _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, sink):
+    if input_layout not in _FA_LAYOUTS:
+        raise ValueError(f"npu_fusion_attention: input_layout must be one of {_FA_LAYOUTS}, got {input_layout!r}")
+    if keep_prob != 1.0:
+        raise ValueError(
+            f"npu_fusion_attention: keep_prob={keep_prob} (dropout) is not emulated on the CPU shim; use 1.0"
+        )
+    if pse is not None:
+        raise ValueError("npu_fusion_attention: pse (positional bias) is not emulated on the CPU shim")
+    if padding_mask is not None:
+        raise ValueError("npu_fusion_attention: padding_mask is not supported (torch_npu documents it as unsupported)")
+    if sink is not None:
+        raise ValueError("npu_fusion_attention: sink is not emulated on the CPU shim")
+    if input_layout not in ("BSH", "SBH") and key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(f"npu_fusion_attention: key {tuple(key.shape)} and value {tuple(value.shape)} disagree")
+    nkv, d, dv = _head_dims(query, key, value, head_num, input_layout)
+    if nkv < 1 or head_num % nkv:
+        raise ValueError(f"npu_fusion_attention: head_num={head_num} is not a multiple of the {nkv} KV heads")
+    if dv > d:
+        raise ValueError(f"npu_fusion_attention: value head dim {dv} exceeds query/key head dim {d} (needs Dk >= Dv)")
+    return nkv
+
+
+def _replicate_stat(stat: torch.Tensor) -> torch.Tensor:
+    """[..., S] -> [..., S, 8]: the NPU stores each softmax statistic 8 times (one 32-byte block)."""
+    return stat.unsqueeze(-1).expand(*stat.shape, _STAT_REPLICAS).contiguous()
+
+
+def npu_fusion_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = _INT32_MAX,
+    next_tockens: int = _INT32_MAX,
+    inner_precise: int = 0,
+    prefix: Sequence[int] | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
+):
+    """Fused attention ``Dropout(Softmax(Mask(scale * (pse + Q K^T))), keep_prob) V`` (torch_npu semantics).
+
+    Returns the 7-tuple ``(out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``:
+
+    ==========  ===============  ==================================
+    layout      out              softmax_max / softmax_sum (fp32)
+    ==========  ===============  ==================================
+    BSH         [B, S, N*Dv]     [B, N, S, 8]
+    SBH         [S, B, N*Dv]     [B, N, S, 8]
+    BSND        [B, S, N, Dv]    [B, N, S, 8]
+    BNSD        [B, N, S, Dv]    [B, N, S, 8]
+    TND         [T, N, Dv]       [T, N, 8]
+    ==========  ===============  ==================================
+
+    ``atten_mask``: True/1 = masked out; BNSS, B1SS, 11SS or SS (TND: SS only). ``sparse_mode`` 0-4 follow the
+    keep rules in :func:`_keep_mask`; modes 2/3/4 require the compressed 2048x2048 ``triu(ones, 1)`` mask.
+    ``atten_mask=None`` means full attention whatever sparse_mode says. TND takes cumulative
+    ``actual_seq_qlen``/``actual_seq_kvlen`` ends without a leading 0 (lengths [2, 2, 2] -> [2, 4, 6]);
+    trailing zeros skip batches. GQA: N / Nkv must be an integer; KV heads are repeat_interleave'd.
+
+    Emulation differences: dropout (``keep_prob != 1``), ``pse``, ``sink`` and sparse modes 5-8 raise
+    ``ValueError``. Fully masked query rows give 0 (undocumented on the NPU). ``softmax_max``/``softmax_sum``
+    are detached (the NPU backward kernel consumes them, autograd here does not need them); for TND with the
+    default ``softmax_layout=""`` they are returned in the documented [T, N, 8] shape but with the documented
+    NTD storage order (a reshape of [N, T, 8]), exactly as the NPU does; ``softmax_layout="TND"`` gives a true
+    [T, N, 8]. ``softmax_out`` is an empty reserved tensor; ``seed``/``offset`` are echoed, ``numels`` is 0.
+    """
+    nkv = _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, sink)
+    if input_layout == "TND":
+        out, smax, ssum = _fusion_attention_varlen(
+            query, key, value, head_num, atten_mask, scale, pre_tockens, next_tockens,
+            actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+        )  # fmt: skip
+        stat_shape = (query.shape[0], head_num, _STAT_REPLICAS)  # [T, N, 8]
+        if softmax_layout == "TND":
+            smax, ssum = _replicate_stat(smax.transpose(0, 1)), _replicate_stat(ssum.transpose(0, 1))
+        else:  # default: NTD storage order under the documented [T, N, 8] shape
+            smax, ssum = _replicate_stat(smax).view(stat_shape), _replicate_stat(ssum).view(stat_shape)
+    else:
+        q = _to_bnsd(query, input_layout, head_num)  # [B, N, Sq, D]
+        k = _to_bnsd(key, input_layout, nkv)  # [B, Nkv, Skv, D]
+        v = _to_bnsd(value, input_layout, nkv)  # [B, Nkv, Skv, Dv]
+        keep = _keep_mask(atten_mask, q.shape[2], k.shape[2], sparse_mode, pre_tockens, next_tockens, varlen=False)
+        out_bnsd, smax, ssum = _attention_core(q, k, v, keep, scale)
+        out = _from_bnsd(out_bnsd, input_layout)
+        smax, ssum = _replicate_stat(smax), _replicate_stat(ssum)  # [B, N, Sq, 8]
+    softmax_out = query.new_empty(0)
+    return out, smax, ssum, softmax_out, int(seed), int(offset), 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# npu_grouped_matmul
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _group_ends(group_list, group_list_type: int, total: int) -> list[int]:
+    """Cumulative group ends from ``group_list``: type 0 = cumsum (as given), type 1 = per-group counts."""
+    values = [int(v) for v in (group_list.tolist() if isinstance(group_list, torch.Tensor) else group_list)]
+    if group_list_type == 0:
+        ends = values
+        if any(b < a for a, b in zip([0, *ends], ends, strict=False)):
+            raise ValueError(f"npu_grouped_matmul: group_list_type=0 needs a non-decreasing cumsum, got {values}")
+    elif group_list_type == 1:
+        if any(v < 0 for v in values):
+            raise ValueError(f"npu_grouped_matmul: group_list_type=1 needs non-negative counts, got {values}")
+        ends = [sum(values[: i + 1]) for i in range(len(values))]
+    else:
+        raise ValueError(
+            f"npu_grouped_matmul: group_list_type={group_list_type} is not emulated (0 and 1 are; 2 is int8-only)"
+        )
+    if ends and ends[-1] > total:
+        raise ValueError(f"npu_grouped_matmul: group_list covers {ends[-1]} rows but the split axis has {total}")
+    return ends
+
+
+def _group_weight(weight: list[torch.Tensor], e: int) -> torch.Tensor:
+    if len(weight) == 1 and weight[0].dim() == 3:  # one [E, K, N] tensor
+        return weight[0][e]
+    return weight[e]  # E tensors of [K, N]
+
+
+def _group_bias(bias: list[torch.Tensor] | None, e: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if len(bias) == 1 and bias[0].dim() == 2:  # one [E, N] tensor
+        return bias[0][e]
+    return bias[e]  # E tensors of [N]
+
+
+def _matmul_bias(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cdt: torch.dtype) -> torch.Tensor:
+    y = x.to(cdt) @ w.to(cdt)
+    return y if b is None else y + b.to(cdt)
+
+
+def _gmm_m_split(x, weight, bias, group_list, group_list_type, cdt) -> list[torch.Tensor]:
+    """One x [M, K] split along M by group_list; group e uses weight e: outputs [m_e, N]."""
+    if len(x) != 1 or x[0].dim() != 2:
+        raise ValueError("npu_grouped_matmul: an M-split takes a single 2-D x [M, K]")
+    ends = _group_ends(group_list, group_list_type, x[0].shape[0])
+    n_weights = weight[0].shape[0] if len(weight) == 1 and weight[0].dim() == 3 else len(weight)
+    if n_weights != len(ends):
+        raise ValueError(f"npu_grouped_matmul: {len(ends)} groups in group_list but {n_weights} weights")
+    starts = [0, *ends[:-1]]
+    return [
+        _matmul_bias(x[0][s:e], _group_weight(weight, g), _group_bias(bias, g), cdt)
+        for g, (s, e) in enumerate(zip(starts, ends, strict=True))
+    ]
+
+
+def _gmm_k_split(x, weight, bias, group_list, group_list_type, cdt) -> list[torch.Tensor]:
+    """x [M, K] and weight [K, N] split along K: group e gives ``x[:, ks:ke] @ w[ks:ke]`` of shape [M, N].
+
+    This is the weight-gradient form (verl: ``gmm([x^T], [dy], group_type=2)`` -> [E, H, I]); an empty group
+    yields zeros.
+    """
+    if len(x) != 1 or len(weight) != 1 or x[0].dim() != 2 or weight[0].dim() != 2:
+        raise ValueError(
+            "npu_grouped_matmul: a K-split (group_type=2) takes one 2-D x [M, K] and one 2-D weight [K, N]"
+        )
+    if bias is not None:
+        raise ValueError("npu_grouped_matmul: bias is not supported with group_type=2")
+    ends = _group_ends(group_list, group_list_type, x[0].shape[1])
+    starts = [0, *ends[:-1]]
+    return [_matmul_bias(x[0][:, s:e], weight[0][s:e], None, cdt) for s, e in zip(starts, ends, strict=True)]
+
+
+def _gmm_pairwise(x, weight, bias, group_list, group_list_type, cdt) -> list[torch.Tensor]:
+    """No grouping axis: ``y_i = x_i @ w_i + b_i`` for each pair (group_list, if given, must match x_i rows)."""
+    if len(x) != len(weight):
+        raise ValueError(f"npu_grouped_matmul: {len(x)} x tensors but {len(weight)} weights")
+    if group_list is not None:
+        ends = _group_ends(group_list, group_list_type, sum(t.shape[0] for t in x))
+        sizes = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+        if sizes != [t.shape[0] for t in x]:
+            raise ValueError(f"npu_grouped_matmul: group sizes {sizes} do not match the x row counts")
+    return [_matmul_bias(xi, wi, _group_bias(bias, i), cdt) for i, (xi, wi) in enumerate(zip(x, weight, strict=True))]
+
+
+def npu_grouped_matmul(
+    x: Sequence[torch.Tensor],
+    weight: Sequence[torch.Tensor],
+    *,
+    bias: Sequence[torch.Tensor] | None = None,
+    scale: Sequence[torch.Tensor] | None = None,
+    offset: Sequence[torch.Tensor] | None = None,
+    antiquant_scale: Sequence[torch.Tensor] | None = None,
+    antiquant_offset: Sequence[torch.Tensor] | None = None,
+    per_token_scale: Sequence[torch.Tensor] | None = None,
+    group_list=None,
+    activation_input: Sequence[torch.Tensor] | None = None,
+    activation_quant_scale: Sequence[torch.Tensor] | None = None,
+    activation_quant_offset: Sequence[torch.Tensor] | None = None,
+    split_item: int = 0,
+    group_type: int | None = None,
+    group_list_type: int = 0,
+    act_type: int = 0,
+    output_dtype: torch.dtype | None = None,
+    tuning_config: Sequence[int] | None = None,
+) -> list[torch.Tensor]:
+    """Grouped GEMM ``y_i = x_i @ weight_i + bias_i`` (torch_npu, non-quantised formula).
+
+    * ``group_type=0`` (or None with a ``group_list``): split a single ``x [M, K]`` along M; weight is one
+      ``[E, K, N]`` tensor or E ``[K, N]`` tensors; bias one ``[E, N]`` or E ``[N]``. Output ``[M, N]`` as a
+      single tensor (split_item 2/3) or E tensors ``[m_e, N]`` (split_item 0/1).
+    * ``group_type=2``: split K: ``x [M, K]``, weight ``[K, N]``; output ``[E, M, N]`` (single) or E ``[M, N]``.
+    * ``group_type`` None/-1 without group_list: one matmul per (x_i, weight_i) pair; split_item 2/3
+      concatenates the results along dim 0.
+    * ``group_list_type`` 0 = cumulative ends, 1 = per-group counts (``group_list`` a list or 1-D tensor).
+
+    Emulation differences: quantisation arguments and ``act_type != 0`` raise ``ValueError``;
+    ``tuning_config`` is ignored. Where ``group_list`` covers fewer rows than x has (the NPU requires it to
+    cover all of them) the uncovered output rows are 0. Arithmetic is fp32 for fp16/bf16 inputs.
+    """
+    quant = [name for name, value in (
+        ("scale", scale), ("offset", offset), ("antiquant_scale", antiquant_scale),
+        ("antiquant_offset", antiquant_offset), ("per_token_scale", per_token_scale),
+        ("activation_input", activation_input), ("activation_quant_scale", activation_quant_scale),
+        ("activation_quant_offset", activation_quant_offset),
+    ) if value is not None]  # fmt: skip
+    if quant:
+        raise ValueError(f"npu_grouped_matmul: quantisation arguments are not emulated on the CPU shim: {quant}")
+    if act_type != 0:
+        raise ValueError(f"npu_grouped_matmul: act_type={act_type} is not emulated (only 0, no activation)")
+    if split_item not in (0, 1, 2, 3):
+        raise ValueError(f"npu_grouped_matmul: split_item must be 0-3, got {split_item}")
+    x, weight = list(x), list(weight)
+    bias = None if bias is None else list(bias)
+    cdt = _compute_dtype(x[0].dtype)
+    out_dtype = output_dtype or x[0].dtype
+    if group_type == 2:
+        pieces = _gmm_k_split(x, weight, bias, group_list, group_list_type, cdt)
+    elif group_type in (None, -1, 0) and (len(x) > 1 or group_list is None):
+        pieces = _gmm_pairwise(x, weight, bias, group_list, group_list_type, cdt)
+    elif group_type in (None, 0):
+        pieces = _gmm_m_split(x, weight, bias, group_list, group_list_type, cdt)
+    else:
+        raise ValueError(f"npu_grouped_matmul: group_type={group_type} is not emulated (None/-1, 0 and 2 are)")
+    pieces = [p.to(out_dtype) for p in pieces]
+    if split_item in (0, 1):
+        return pieces
+    if group_type == 2:
+        return [torch.stack(pieces, dim=0)]  # [E, M, N]
+    covered = sum(p.shape[0] for p in pieces)
+    if len(x) == 1 and covered < x[0].shape[0]:
+        pieces.append(pieces[0].new_zeros(x[0].shape[0] - covered, pieces[0].shape[1]))
+    return [torch.cat(pieces, dim=0)]  # [M, N]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MoE routing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def npu_moe_token_permute(
+    tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None, padded_mode: bool = False
+):
+    """Group tokens by expert (Megatron ``permute``): ``permuted = tokens[argsort(indices.flatten()) // topk]``.
+
+    tokens [N, H]; indices [N, topk] (or [N], topk = 1) of expert ids. Returns ``(permuted [n_out, H],
+    sorted_indices [N*topk] int32)``. As in torch_npu (not Megatron) ``sorted_indices`` is the *inverse*
+    permutation: ``sorted_indices[p]`` is the output row of flattened position p (torch_npu's own test
+    compares it with ``argsort(megatron_sorted_indices)``), and it is never sliced.
+    ``num_out_tokens``: None/0 keeps all N*topk rows, n > 0 keeps min(n, N*topk), n < 0 keeps N*topk + n
+    (torch_npu's rule); dropped positions map to rows >= n_out.
+
+    Emulation difference: none known; like the NPU, ``padded_mode=True`` raises.
+    """
+    if padded_mode:
+        raise ValueError("npu_moe_token_permute: padded_mode=True is not supported (torch_npu supports only False)")
+    if tokens.dim() != 2 or indices.dim() not in (1, 2):
+        raise ValueError(f"npu_moe_token_permute: tokens must be [N, H] and indices [N] or [N, topk], got "
+                         f"{tuple(tokens.shape)} and {tuple(indices.shape)}")  # fmt: skip
+    topk = 1 if indices.dim() == 1 else indices.shape[1]
+    flat = indices.reshape(-1)  # [N*topk]
+    n_flat = flat.numel()
+    n = num_out_tokens or 0
+    n_out = min(n, n_flat) if n > 0 else n_flat + n
+    order = torch.argsort(flat, stable=True)  # Megatron's sorted_indices: output row r <- flat position
+    inverse = torch.argsort(order).to(torch.int32)  # flat position -> output row
+    permuted = tokens.index_select(0, order[:n_out] // topk)  # [n_out, H]
+    return permuted, inverse
+
+
+def npu_moe_token_unpermute(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape=None,
+) -> torch.Tensor:
+    """Inverse of :func:`npu_moe_token_permute` (Megatron ``unpermute``), merging the top-k copies.
+
+    ``sorted_indices`` is the int32 inverse permutation returned by the permute op. Each flattened position p
+    takes row ``permuted_tokens[sorted_indices[p]]`` (0 if that row was dropped by ``num_out_tokens``); the
+    result is reshaped to [N, topk, H], multiplied by ``probs [N, topk]`` and summed over topk. Without probs
+    topk = 1 and the output is [N*topk, H] (no merge), as torch_npu's output-size rule states.
+    """
+    if padded_mode:
+        raise ValueError("npu_moe_token_unpermute: padded_mode=True is not supported (torch_npu supports only False)")
+    topk = 1 if probs is None else probs.shape[1]
+    hidden = permuted_tokens.shape[-1]
+    idx = sorted_indices.long()  # [N*topk]
+    valid = idx < permuted_tokens.shape[0]
+    rows = permuted_tokens.index_select(0, torch.where(valid, idx, torch.zeros_like(idx)))  # [N*topk, H]
+    rows = rows * valid.unsqueeze(-1).to(rows.dtype)
+    rows = rows.reshape(-1, topk, hidden)  # [N, topk, H]
+    if probs is not None:
+        rows = rows * probs.unsqueeze(-1).to(rows.dtype)
+    return rows.sum(dim=1)  # [N, H]
+
+
+def npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None, k: int = 1):
+    """``softmax(x, -1)`` then top-k: returns ``(y, expert_idx int32, row_idx int32)``, each ``[..., k]``.
+
+    ``y`` is the top-k of the softmax and is NOT renormalised (apply Qwen3's ``norm_topk_prob`` yourself).
+    ``row_idx = arange(N*k).view(k, N).T`` with N the number of rows (leading dims flattened).
+
+    Emulation differences: ``finished`` (bool, shape ``x.shape[:-1]``) is not specified by the torch_npu docs
+    beyond "rows that take part"; here a finished row keeps its values but its expert ids are set to E (the
+    number of experts, i.e. no expert), which is what the TensorRT-LLM kernel this op derives from does. The NPU
+    op is inference-only; here autograd flows through ``y``.
+    """
+    if not 0 < k <= x.shape[-1]:
+        raise ValueError(f"npu_moe_gating_top_k_softmax: k={k} must be in [1, {x.shape[-1]}]")
+    probs = torch.softmax(x.to(_compute_dtype(x.dtype)), dim=-1)  # [..., E]
+    y, expert_idx = torch.topk(probs, k, dim=-1)  # [..., k]
+    expert_idx = expert_idx.to(torch.int32)
+    if finished is not None:
+        expert_idx = torch.where(finished.bool().unsqueeze(-1), torch.full_like(expert_idx, x.shape[-1]), expert_idx)
+    n_rows = expert_idx.numel() // k
+    row_idx = torch.arange(n_rows * k, dtype=torch.int32, device=x.device).view(k, n_rows).t()
+    return y.to(x.dtype), expert_idx, row_idx.reshape(expert_idx.shape).contiguous()
+
+
+def npu_moe_init_routing(x: torch.Tensor, row_idx: torch.Tensor, expert_idx: torch.Tensor, active_num: int):
+    """Expand and sort tokens by expert (torch_npu ``MoeInitRouting``).
+
+    With ``order = stable_argsort(expert_idx.flatten())`` (row-major over [N, k]) and
+    ``sorted_row = row_idx.flatten()[order]``: ``expanded_expert_idx = expert_idx.flatten()[order]``,
+    ``expanded_row_idx[sorted_row[i]] = i`` and ``expanded_x[i] = x[sorted_row[i] % N]`` for the first
+    ``min(N, active_num) * k`` rows. Returns ``(expanded_x [min(N, active_num)*k, H], expanded_row_idx [N*k]
+    int32, expanded_expert_idx [N*k] int32)``.
+
+    Emulation difference: the NPU op is inference-only; here autograd flows to ``x``.
+    """
+    n_rows, k = expert_idx.shape  # x: [N, H]
+    flat_expert = expert_idx.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    sorted_row = row_idx.reshape(-1).long()[order]  # [N*k]
+    expanded_row_idx = torch.empty_like(sorted_row)
+    expanded_row_idx[sorted_row] = torch.arange(sorted_row.numel(), device=sorted_row.device)
+    active = min(n_rows, int(active_num)) * k
+    expanded_x = x.index_select(0, sorted_row[:active] % n_rows)  # [active, H]
+    return expanded_x, expanded_row_idx.to(torch.int32), flat_expert[order].to(torch.int32)
+
+
+def npu_moe_finalize_routing(
+    expanded_permuted_rows: torch.Tensor,
+    skip1: torch.Tensor | None,
+    skip2: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    expanded_src_to_dst_row: torch.Tensor,
+    export_for_source_row: torch.Tensor | None,
+    drop_pad_mode: int = 0,
+) -> torch.Tensor:
+    """Combine expert outputs: ``out[i] = skip1[i] + skip2[i] + sum_k scales[i,k] * (rows[dst(i,k)] + bias[e(i,k)])``.
+
+    ``e(i,k) = export_for_source_row[i, k]``. ``dst(i,k) = expanded_src_to_dst_row[i + k*N]`` for
+    drop_pad_mode 0/1 (column order, as produced by :func:`npu_moe_init_routing`) and ``[i*K + k]`` for 2/3
+    (row order). Modes 0/2 take rows [N*K, H]; modes 1/3 (drop-pad) take rows [E, C, H] and
+    ``dst = -1`` marks a dropped token. Returns [N, H] in the rows' dtype.
+
+    Emulation differences: a dropped (-1) entry contributes nothing, bias included (not stated by the docs);
+    ``scales=None`` means weight 1. The NPU op is inference-only; here autograd works.
+    """
+    if drop_pad_mode not in (0, 1, 2, 3):
+        raise ValueError(f"npu_moe_finalize_routing: drop_pad_mode must be 0-3, got {drop_pad_mode}")
+    if bias is not None and export_for_source_row is None:
+        raise ValueError("npu_moe_finalize_routing: bias needs export_for_source_row (the expert of each row)")
+    rows = expanded_permuted_rows
+    if drop_pad_mode in (1, 3):
+        rows = rows.reshape(-1, rows.shape[-1])  # [E*C, H]
+    hidden = rows.shape[-1]
+    dst = expanded_src_to_dst_row.long()  # [N*K]
+    if scales is not None:
+        n_rows, k = scales.shape
+    elif export_for_source_row is not None:
+        n_rows, k = export_for_source_row.shape
+    else:
+        raise ValueError("npu_moe_finalize_routing: pass scales or export_for_source_row so N and K are known")
+    dst = dst.view(k, n_rows).t() if drop_pad_mode in (0, 1) else dst.view(n_rows, k)  # [N, K]
+    valid = dst >= 0
+    gathered = rows.index_select(0, torch.where(valid, dst, torch.zeros_like(dst)).reshape(-1)).view(n_rows, k, hidden)
+    if bias is not None:
+        gathered = gathered + bias.index_select(0, export_for_source_row.long().reshape(-1)).view(n_rows, k, hidden)
+    weights = valid.to(rows.dtype) if scales is None else scales.to(rows.dtype) * valid.to(rows.dtype)
+    out = (gathered * weights.unsqueeze(-1)).sum(dim=1)  # [N, H]
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip
+    return out

@@ -58,6 +58,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     max_num_batched_tokens: int = 8192
     enforce_eager: bool | None = None  # None = auto: eager on NPU (no graph mode for RL there)
+    max_model_len: int | None = None  # vLLM context limit; None = max_prompt_length + max_response_length
 
 
 @dataclass
@@ -66,7 +67,8 @@ class ActorConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    ppo_mini_batch_size: int = 4  # prompts per optimizer step; paper: train_batch_size / 4
+    # prompts per optimizer step; null = data.train_batch_size / algorithm.minibatches_per_rollout
+    ppo_mini_batch_size: int | None = None
     micro_batch_size: int | None = 4  # samples per forward/backward on one device
     max_tokens_per_micro_batch: int | None = None  # dynamic batch size by token budget (overrides the above)
     tensor_parallel_size: int = 1
@@ -79,6 +81,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     recompute: Literal["none", "selective", "full"] = "none"
     offload: bool = False  # params/grads/optimizer to host between phases when colocated with rollout
+    use_mc2: bool = False  # Ascend MC2 fused matmul+collective (MindSpeed --use-ascend-mc2): TP 2/4/8 + SP, dense
 
 
 @dataclass
@@ -86,11 +89,13 @@ class AlgorithmConfig:
     loss: Literal["gspo", "gspo_token", "grpo"] = "gspo"
     clip_ratio_low: float = 3e-4
     clip_ratio_high: float = 4e-4
-    clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (grpo only)
+    clip_ratio_c: float | None = None  # dual-clip bound for negative advantages (all losses; off in the paper)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "seq-mean-token-mean"
     )
     old_logprobs: Literal["recompute", "engine"] = "recompute"
+    # optimizer steps per rollout batch (paper: 4); null = 4, or whatever actor.ppo_mini_batch_size implies
+    minibatches_per_rollout: int | None = None
     norm_adv_by_std: bool = True
     kl_coef: float = 0.0  # the paper uses no KL term
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -264,6 +269,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), *
     over = _parse_overrides(overrides)
     _check_source(over, "command-line override")
     cfg = from_dict(_deep_merge(merged, over))
+    _resolve_minibatches(cfg)
     if validate:
         check(cfg)
     return cfg
@@ -274,6 +280,30 @@ def _check_source(data: dict, source: str) -> None:
         from_dict(data)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _resolve_minibatches(cfg: Config) -> None:
+    """Fill in whichever of actor.ppo_mini_batch_size / algorithm.minibatches_per_rollout was left null.
+
+    Both describe the same thing (verl users think in mini-batch sizes, the paper in "4 minibatches per
+    rollout batch"); when both are set they must agree: we refuse rather than pick one silently.
+    """
+    tbs, mbs, k = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.algorithm.minibatches_per_rollout
+    if mbs is None:
+        k = 4 if k is None else k
+        if k <= 0 or tbs % k:
+            raise ConfigError(
+                f"config key 'algorithm.minibatches_per_rollout' ({k}) must be > 0 and divide "
+                f"'data.train_batch_size' ({tbs}); or set 'actor.ppo_mini_batch_size' instead"
+            )
+        cfg.actor.ppo_mini_batch_size, cfg.algorithm.minibatches_per_rollout = tbs // k, k
+    elif k is None:
+        cfg.algorithm.minibatches_per_rollout = tbs // mbs if mbs > 0 and tbs % mbs == 0 else None
+    elif mbs * k != tbs:
+        raise ConfigError(
+            f"config keys 'actor.ppo_mini_batch_size' ({mbs}) and 'algorithm.minibatches_per_rollout' ({k}) "
+            f"disagree: their product must be 'data.train_batch_size' ({tbs}); set only one of them"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- validation

@@ -53,6 +53,36 @@ def test_yaml_then_overrides_round_trip(tmp_path):
     assert config.load_config(dumped) == cfg
 
 
+def test_minibatches_resolution():
+    # neither set: the paper's 4 minibatches
+    cfg = config.load_config(None, ["data.train_batch_size=32"])
+    assert (cfg.actor.ppo_mini_batch_size, cfg.algorithm.minibatches_per_rollout) == (8, 4)
+    # only the mini-batch size (verl style): the count follows
+    cfg = config.load_config(None, ["data.train_batch_size=32", "actor.ppo_mini_batch_size=16"])
+    assert cfg.algorithm.minibatches_per_rollout == 2
+    # only the count (paper style): the size follows
+    cfg = config.load_config(None, ["data.train_batch_size=32", "algorithm.minibatches_per_rollout=8"])
+    assert cfg.actor.ppo_mini_batch_size == 4
+    # both, agreeing: fine; disagreeing: refused, naming both keys
+    config.load_config(None, ["actor.ppo_mini_batch_size=4", "algorithm.minibatches_per_rollout=4"])
+    with pytest.raises(
+        ConfigError, match="'actor.ppo_mini_batch_size' .8. and 'algorithm.minibatches_per_rollout' .4."
+    ):
+        config.load_config(None, ["actor.ppo_mini_batch_size=8", "algorithm.minibatches_per_rollout=4"])
+    with pytest.raises(ConfigError, match="'algorithm.minibatches_per_rollout' .3. must be > 0 and divide"):
+        config.load_config(None, ["algorithm.minibatches_per_rollout=3"])
+
+
+def test_presets_apply_as_overrides():
+    from gspo_ascend.algorithms import PRESETS
+
+    for name, preset in PRESETS.items():
+        cfg = config.load_config(None, [f"{k}={v}" for k, v in preset.items()])
+        assert cfg.algorithm.loss == preset["algorithm.loss"], name
+        assert cfg.algorithm.clip_ratio_high == preset["algorithm.clip_ratio_high"]
+        assert cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size == preset["algorithm.minibatches_per_rollout"]
+
+
 def test_int_widens_to_float_and_null_for_optional():
     cfg = config.load_config(
         None, ["actor.lr=1", "actor.micro_batch_size=null", "actor.max_tokens_per_micro_batch=4096"]

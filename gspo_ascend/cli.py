@@ -23,7 +23,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from . import config
 
-    cfg = config.load_config(args.config, args.overrides)
+    # --dry-run validates through the preflight, which reports every problem instead of the first
+    cfg = config.load_config(args.config, args.overrides, validate=not args.dry_run)
     if args.print_config:
         import yaml
 
@@ -33,6 +34,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     backend = get_backend(cfg.trainer.device)  # fails early, with the fix, when the device is unusable
     if args.dry_run:
+        from .doctor import preflight
+
+        findings = preflight.preflight(cfg)
+        shown = [c for c in findings if c.status != "ok"]
+        for c in shown:
+            print(f"[{c.status:>4}] {c.name}: {c.finding}" + (f"\n       fix: {c.fix}" if c.fix else ""))
+        failed = preflight.failures(findings)
+        if failed:
+            raise UserError(f"preflight found {len(failed)} problem(s) in the config (listed above on stdout)")
         print(f"config ok; device backend: {backend.name}{' (CPU shim)' if backend.emulated else ''}")
         return 0
     raise UserError(
@@ -42,14 +52,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import render_text, run_checks
+    from pathlib import Path
 
-    results = run_checks()
-    if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=2))
-    else:
-        print(render_text(results))
-    return 1 if any(r.status == "fail" for r in results) else 0
+    from .doctor import Context, exit_code, render_json, render_text, run_checks
+    from .doctor.context import check_sysroot, load_versions
+    from .doctor.preflight import preflight_file
+
+    sysroot = check_sysroot(args.sysroot) if args.sysroot else Path("/")
+    planned = load_versions(args.versions) if args.versions else None
+    ctx = Context(sysroot=sysroot, planned=planned, versions_file=args.versions)
+    config_checks = None
+    if args.config or args.overrides:
+        ctx.config, config_checks = preflight_file(args.config, args.overrides)
+    results = run_checks(ctx, config_checks)
+    print(render_json(results) if args.json else render_text(results))
+    return exit_code(results)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .doctor.planner import plan_from_config, render_text
+
+    result = plan_from_config(args.config, args.overrides, args.hardware)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else render_text(result))
+    return 1 if result.verdict == "OOM" else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,9 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="validate the config and the device, run nothing")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("doctor", help="check this machine: device, drivers, package versions")
+    p = sub.add_parser("doctor", help="check this machine (or a planned stack) and, with --config, the config")
+    _add_config_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--sysroot", metavar="DIR", help="read the Ascend driver / CANN files under DIR instead of /")
+    p.add_argument("--versions", metavar="FILE", help="JSON {package: version} used instead of installed versions")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("plan", help="per-device memory plan (training + rollout) with a fits / tight / OOM verdict")
+    _add_config_args(p)
+    p.add_argument(
+        "--hardware",
+        default="auto",
+        help="atlas-800t-a2 | h20 | h200 | cpu (default: from trainer.device, else this host)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

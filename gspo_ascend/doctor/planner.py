@@ -1,0 +1,446 @@
+"""Per-device memory plan for one GSPO step: the training phase (Megatron or FSDP) and the rollout phase
+(vLLM colocated on the same devices), against the device's memory, with a fits / tight / OOM verdict and
+the three config changes that help most. Formulas and assumptions: docs/memory-planner.md.
+
+Peers size memory by trial and error (verl's and MindSpeed-RL's Ascend recipes lower batch sizes and
+gpu_memory_utilization after OOMs, as the field reports describe); Megatron's own estimator covers only
+its training side and knows nothing about a colocated vLLM. This planner is closed-form, so its numbers
+can be checked by hand (tests/unit/test_planner.py does).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+from .hardware import Profile
+from .modelspec import ModelSpec
+from .preflight import RULES, layout
+
+GIB = 2**30
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FITS_FRACTION = 0.9  # keep 10% of usable memory for fragmentation and communicator buffers
+MIN_CONCURRENT_SEQUENCES = 32  # below this many full-length sequences in the KV cache, rollout crawls
+
+
+@dataclass
+class Phase:
+    name: str  # training | rollout
+    where: str  # which device: "last pipeline stage", "every device"
+    parts: dict[str, int]  # component -> bytes
+    notes: dict[str, str] = field(default_factory=dict)  # component -> how it was computed
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass
+class Knob:
+    key: str
+    old: object
+    new: object
+    score: float  # the plan's pressure after the change (<= 1 fits)
+    pressure_sum: float  # training + rollout + KV pressures: orders knobs that reach the same score
+    train_gib: float
+    rollout_gib: float
+
+
+@dataclass
+class Plan:
+    model: str
+    hardware: str
+    usable_bytes: int
+    layout: str
+    train: Phase
+    rollout: Phase
+    kv_tokens: int
+    kv_sequences: float
+    train_verdict: str
+    rollout_verdict: str
+    verdict: str
+    score: float
+    variants: dict[str, dict[str, int]]
+    knobs: list[Knob] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["train"]["total"], out["rollout"]["total"] = self.train.total, self.rollout.total
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+def seq_len(cfg) -> int:
+    return cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def micro_tokens(cfg) -> int:
+    """Tokens one device holds per micro-batch: padded samples, or the token budget; split by CP."""
+    a = cfg.actor
+    tokens = a.max_tokens_per_micro_batch or (a.micro_batch_size or 1) * seq_len(cfg)
+    return tokens // a.context_parallel_size
+
+
+def recompute_mode(cfg) -> str:
+    """actor.recompute; the FSDP engine recomputes whole layers when model.gradient_checkpointing is on."""
+    if cfg.actor.engine == "fsdp" and cfg.model.gradient_checkpointing:
+        return "full"
+    return cfg.actor.recompute
+
+
+def layer_activation(cfg, spec: ModelSpec, i: int, tp: int) -> int:
+    """Bytes kept for backward per token of the micro-batch by layer ``i`` (no recompute).
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") counted per
+    element: norm inputs/outputs (h each, sharded only by sequence parallel), Q/K/V and the attention
+    output (sharded by heads), the SwiGLU fc1 output [gate, up] and their product (sharded by TP). Routed
+    experts keep, per token slot (top_k of them), the permuted input, fc1 output, product and output.
+    No dropout masks (RL runs without dropout); flash attention keeps no s x s scores; eager attention adds
+    the paper's 5 bytes per score (a s^2 b term) unless selective recompute drops it."""
+    e, h = ELEMENT_BYTES[cfg.model.dtype], spec.hidden
+    d = tp if cfg.actor.sequence_parallel and tp > 1 else 1
+    q, kv = spec.heads_per_rank(tp)
+    elements = 4 * h / d + spec.head_dim * (2 * q + 2 * kv)
+    if spec.is_moe_layer(i):
+        etp = cfg.actor.expert_tensor_parallel_size
+        elements += spec.top_k * (2 * h + 3 * spec.moe_intermediate / etp) / d + 3 * spec.shared_intermediate / tp
+    else:
+        elements += 3 * spec.intermediate / tp
+    scores = (
+        5 * q * seq_len(cfg) if cfg.model.attn_implementation == "eager" and recompute_mode(cfg) != "selective" else 0
+    )
+    return int(e * elements) + scores
+
+
+def activations(cfg, spec: ModelSpec, layers: range, tp: int, inflight: int) -> int:
+    """1F1B keeps ``inflight`` micro-batches per stage; full recompute keeps only each layer's input plus one
+    layer's working set during its recomputation."""
+    tokens, e = micro_tokens(cfg), ELEMENT_BYTES[cfg.model.dtype]
+    d = tp if cfg.actor.sequence_parallel and tp > 1 else 1
+    if recompute_mode(cfg) == "full":
+        kept = len(layers) * e * spec.hidden // d
+        return inflight * kept * tokens + max(layer_activation(cfg, spec, i, tp) for i in layers) * tokens
+    return inflight * sum(layer_activation(cfg, spec, i, tp) for i in layers) * tokens
+
+
+def logits_bytes(cfg, spec: ModelSpec, tp: int) -> int:
+    """Logits for the log-probs: model-dtype logits plus fp32 log-softmax, vocabulary sharded by TP."""
+    return micro_tokens(cfg) * (spec.vocab // tp) * (ELEMENT_BYTES[cfg.model.dtype] + 4)
+
+
+def _optimizer_bytes_per_param(cfg) -> int:
+    # bf16/fp16 training keeps an fp32 master copy (4) + Adam m, v (8); fp32 weights are their own master
+    return 12 if ELEMENT_BYTES[cfg.model.dtype] == 2 else 8
+
+
+def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
+    lay, e = layout(cfg), ELEMENT_BYTES[cfg.model.dtype]
+    per_stage = -(-spec.layers // lay.pp)
+    layers = range(stage * per_stage, min((stage + 1) * per_stage, spec.layers))
+    first, last = stage == 0, stage == lay.pp - 1
+    dense = sum(spec.attention_params(lay.tp) + spec.replicated_params(i) + spec.mlp_params(i, lay.tp) for i in layers)
+    embed = spec.embedding_params // lay.tp
+    dense += (embed if first else 0) + ((spec.hidden + (embed if not spec.tied or lay.pp > 1 else 0)) if last else 0)
+    experts = sum(spec.expert_params(i) for i in layers) // (lay.ep * lay.etp)
+    opt = _optimizer_bytes_per_param(cfg)
+    distributed = cfg.actor.use_distributed_optimizer
+    optimizer = (
+        opt * (-(-dense // (lay.dp * lay.cp)) + -(-experts // lay.edp)) if distributed else opt * (dense + experts)
+    )
+    samples = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // lay.dp
+    n_micro = samples // (cfg.actor.micro_batch_size or 1) if cfg.actor.max_tokens_per_micro_batch is None else lay.pp
+    inflight = max(min(lay.pp - stage, n_micro), 1)
+    parts = {
+        "weights": e * (dense + experts),
+        "gradients": e * (dense + experts),
+        "optimizer": optimizer,
+        "activations": activations(cfg, spec, layers, lay.tp, inflight),
+        "logits": logits_bytes(cfg, spec, lay.tp) if last else 0,
+    }
+    shard = f"/ DP x CP {lay.dp * lay.cp} (experts / expert-DP {lay.edp})" if distributed else "not sharded"
+    notes = {
+        "weights": f"{dense:,} dense + {experts:,} expert params on this device",
+        "optimizer": f"{opt} B/param {shard}",
+        "activations": f"{len(layers)} layers x {inflight} micro-batch(es) of {micro_tokens(cfg)} tokens, "
+        f"recompute {recompute_mode(cfg)}",
+    }
+    where = "only pipeline stage" if lay.pp == 1 else ("first" if first else "last") + " pipeline stage"
+    return Phase("training", where, parts, notes)
+
+
+def fsdp_train(cfg, spec: ModelSpec) -> Phase:
+    """FSDP (ZeRO-3): fp32 params, fp32 grads and Adam sharded over every rank (16 B/param / world); the
+    working set is the gathered root (embeddings, final norm, lm_head) plus two layers (current + prefetch)."""
+    lay, e, p = layout(cfg), ELEMENT_BYTES[cfg.model.dtype], spec.total_params
+    root = spec.embedding_params * (1 if spec.tied else 2) + spec.hidden
+    gathered = e * (root + 2 * max(spec.layer_params(i) for i in range(spec.layers)))
+    parts = {
+        "weights": -(-4 * p // lay.world),
+        "gradients": -(-4 * p // lay.world),
+        "optimizer": -(-8 * p // lay.world),
+        "gathered": gathered,
+        "activations": activations(cfg, spec, range(spec.layers), 1, 1),
+        "logits": logits_bytes(cfg, spec, 1),
+    }
+    notes = {
+        "weights": f"fp32 shards of {p:,} params over {lay.world} ranks",
+        "gathered": "bf16 root (embeddings, lm_head) + 2 layers",
+        "activations": f"{spec.layers} layers x 1 micro-batch of {micro_tokens(cfg)} tokens, "
+        f"recompute {recompute_mode(cfg)}",
+    }
+    return Phase("training", "every device", parts, notes)
+
+
+def train_phase(cfg, spec: ModelSpec) -> Phase:
+    if cfg.actor.engine == "fsdp":
+        return fsdp_train(cfg, spec)
+    stages = {0, layout(cfg).pp - 1}
+    return max((megatron_stage(cfg, spec, s) for s in sorted(stages)), key=lambda ph: ph.total)
+
+
+def static_bytes(phase: Phase) -> int:
+    return phase.parts["weights"] + phase.parts["gradients"] + phase.parts["optimizer"]
+
+
+# ----------------------------------------------------------------------------------------------- rollout
+
+
+def rollout_weights(cfg, spec: ModelSpec) -> int:
+    """vLLM shards attention, MLPs, experts (TP or EP = TP) and the vocabulary over rollout TP."""
+    rt, e = cfg.rollout.tensor_parallel_size, ELEMENT_BYTES[cfg.model.dtype]
+    params = sum(
+        spec.attention_params(rt) + spec.replicated_params(i) + spec.mlp_params(i, rt) + spec.expert_params(i) // rt
+        for i in range(spec.layers)
+    )
+    params += spec.embedding_params // rt * (1 if spec.tied else 2) + spec.hidden
+    return e * params
+
+
+def rollout_workspace(cfg, spec: ModelSpec) -> int:
+    """vLLM's profiled activation peak, approximated: per batched token the residual, hidden and norm
+    buffers (4h) and the MLP's fc1 output + product (3 x the active intermediate width / TP)."""
+    rt, e = cfg.rollout.tensor_parallel_size, ELEMENT_BYTES[cfg.model.dtype]
+    dense = spec.intermediate if not all(spec.moe_layer_flags or [False]) else 0
+    moe = spec.top_k * spec.moe_intermediate + spec.shared_intermediate if spec.is_moe else 0
+    width = max(dense, moe)
+    return cfg.rollout.max_num_batched_tokens * e * int(4 * spec.hidden + 3 * width / rt)
+
+
+def kv_bytes_per_token(cfg, spec: ModelSpec) -> int:
+    _, kv = spec.heads_per_rank(cfg.rollout.tensor_parallel_size)
+    return 2 * spec.layers * kv * spec.head_dim * ELEMENT_BYTES[cfg.model.dtype]
+
+
+def rollout_phase(cfg, spec: ModelSpec, hbm_bytes: int, train: Phase) -> tuple[Phase, int]:
+    budget = int(cfg.rollout.gpu_memory_utilization * hbm_bytes)
+    weights, workspace = rollout_weights(cfg, spec), rollout_workspace(cfg, spec)
+    residue = 0 if cfg.actor.offload else static_bytes(train)
+    kv_cache = budget - weights - workspace
+    parts = {"actor state": residue, "weights": weights, "workspace": workspace, "kv cache": kv_cache}
+    kept = "offloaded to host (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer stay"
+    notes = {
+        "actor state": kept,
+        "kv cache": f"gpu_memory_utilization {cfg.rollout.gpu_memory_utilization} x HBM - weights - workspace",
+    }
+    phase = Phase("rollout", f"every device, vLLM TP {cfg.rollout.tensor_parallel_size}", parts, notes)
+    return phase, max(kv_cache, 0) // kv_bytes_per_token(cfg, spec)
+
+
+# ----------------------------------------------------------------------------------------------- verdicts
+
+
+def _verdict(pressure: float) -> str:
+    return "fits" if pressure <= 1 else "tight" if pressure <= 1 / FITS_FRACTION else "OOM"
+
+
+def _pressures(cfg, train: Phase, rollout: Phase, kv_tokens: int, usable: int) -> tuple[float, float, float]:
+    """Each 1.0 at the edge of 'fits'; the KV term needs room for min(sequences per engine, 32) sequences."""
+    lay = layout(cfg)
+    engines = max(lay.world // cfg.rollout.tensor_parallel_size, 1)
+    wanted = min(cfg.data.train_batch_size * cfg.rollout.n / engines, MIN_CONCURRENT_SEQUENCES)
+    kv_need = wanted * seq_len(cfg) / max(kv_tokens, 1)
+    if kv_tokens < seq_len(cfg):  # vLLM refuses to start: max_model_len does not fit the KV cache
+        kv_need = max(kv_need, 1 / FITS_FRACTION + 1)
+    fits = FITS_FRACTION * usable
+    return train.total / fits, rollout.total / fits, kv_need
+
+
+def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
+    usable = (hw.hbm_mib - hw.reserved_mib) * 2**20
+    train = train_phase(cfg, spec)
+    rollout, kv_tokens = rollout_phase(cfg, spec, hw.hbm_mib * 2**20, train)
+    p_train, p_roll, p_kv = _pressures(cfg, train, rollout, kv_tokens, usable)
+    lay = layout(cfg)
+    kind = f"MoE, {spec.active_params / 1e9:.2f}B active" if spec.is_moe else "dense"
+    desc = (
+        f"world {lay.world} = TP {lay.tp} x PP {lay.pp} x CP {lay.cp} x DP {lay.dp}; EP {lay.ep} x ETP {lay.etp} "
+        f"(expert DP {lay.edp}); rollout TP {cfg.rollout.tensor_parallel_size}; engine {cfg.actor.engine}"
+    )
+    return Plan(
+        model=f"{spec.model_type} ({spec.total_params / 1e9:.2f}B params, {kind}) from {spec.source}",
+        hardware=f"{hw.title}: {hw.hbm_mib} MiB per device, {usable / GIB:.1f} GiB usable",
+        usable_bytes=usable,
+        layout=desc,
+        train=train,
+        rollout=rollout,
+        kv_tokens=kv_tokens,
+        kv_sequences=kv_tokens / seq_len(cfg),
+        train_verdict=_verdict(p_train),
+        rollout_verdict=_verdict(max(p_roll, p_kv)),
+        verdict=_verdict(max(p_train, p_roll, p_kv)),
+        score=max(p_train, p_roll, p_kv),
+        variants={},
+    )
+
+
+# ----------------------------------------------------------------------------------------------- knobs
+
+# (key, proposal) pairs: each proposes a new value for the key or None when it does not apply.
+KNOBS = (
+    ("actor.recompute", lambda c: "full" if c.actor.engine == "megatron" and c.actor.recompute != "full" else None),
+    (
+        "model.gradient_checkpointing",
+        lambda c: True if recompute_mode(c) != "full" and c.actor.engine == "fsdp" else None,
+    ),
+    ("actor.micro_batch_size", lambda c: c.actor.micro_batch_size // 2 if _micro_mode(c) else None),
+    ("actor.max_tokens_per_micro_batch", lambda c: (c.actor.max_tokens_per_micro_batch or 0) // 2 or None),
+    ("actor.use_distributed_optimizer", lambda c: True if not c.actor.use_distributed_optimizer else None),
+    (
+        "actor.sequence_parallel",
+        lambda c: True if c.actor.tensor_parallel_size > 1 and not c.actor.sequence_parallel else None,
+    ),
+    ("actor.offload", lambda c: True if not c.actor.offload else None),
+    ("actor.tensor_parallel_size", lambda c: _megatron(c, c.actor.tensor_parallel_size * 2)),
+    ("actor.pipeline_parallel_size", lambda c: _megatron(c, c.actor.pipeline_parallel_size * 2)),
+    ("actor.expert_parallel_size", lambda c: _megatron(c, c.actor.expert_parallel_size * 2)),
+    ("actor.context_parallel_size", lambda c: _megatron(c, c.actor.context_parallel_size * 2)),
+    ("rollout.gpu_memory_utilization", lambda c: _util(c, -0.1)),
+    ("rollout.gpu_memory_utilization", lambda c: _util(c, +0.1)),
+    ("rollout.tensor_parallel_size", lambda c: c.rollout.tensor_parallel_size * 2),
+)
+
+
+def _micro_mode(cfg) -> bool:
+    return cfg.actor.max_tokens_per_micro_batch is None and (cfg.actor.micro_batch_size or 0) > 1
+
+
+def _megatron(cfg, value: int) -> int | None:
+    return value if cfg.actor.engine == "megatron" else None
+
+
+def _util(cfg, delta: float) -> float | None:
+    value = round(cfg.rollout.gpu_memory_utilization + delta, 2)
+    return value if 0.1 <= value <= 0.95 else None
+
+
+def with_value(cfg, dotted: str, value):
+    out = copy.deepcopy(cfg)
+    section, name = dotted.split(".")
+    setattr(getattr(out, section), name, value)
+    return out
+
+
+def _objections(cfg, spec: ModelSpec) -> set[tuple[str, str]]:
+    return {(c.name, c.status) for rule in RULES for c in rule(cfg, spec) if c.status != "ok"}
+
+
+def _legal(candidate, spec: ModelSpec, base: set[tuple[str, str]]) -> bool:
+    """A knob must not break a preflight rule nor add a warning the config did not already have."""
+    return _objections(candidate, spec) <= base
+
+
+def best_knobs(cfg, spec: ModelSpec, hw: Profile, base: Plan, count: int = 3) -> list[Knob]:
+    found, objections = [], _objections(cfg, spec)
+    for dotted, propose in KNOBS:
+        value = propose(cfg)
+        if value is None:
+            continue
+        candidate = with_value(cfg, dotted, value)
+        if not _legal(candidate, spec, objections):
+            continue
+        after = evaluate(candidate, spec, hw)
+        if after.score < base.score - 1e-9:
+            section, name = dotted.split(".")
+            old = getattr(getattr(cfg, section), name)
+            total = sum(_pressures(candidate, after.train, after.rollout, after.kv_tokens, after.usable_bytes))
+            found.append(
+                Knob(dotted, old, value, after.score, total, after.train.total / GIB, after.rollout.total / GIB)
+            )
+    return sorted(found, key=lambda k: (k.score, k.pressure_sum))[:count]
+
+
+def plan(cfg, spec: ModelSpec, hw: Profile) -> Plan:
+    result = evaluate(cfg, spec, hw)
+    flip_opt = with_value(cfg, "actor.use_distributed_optimizer", not cfg.actor.use_distributed_optimizer)
+    flip_off = with_value(cfg, "actor.offload", not cfg.actor.offload)
+    opt_other, off_other = evaluate(flip_opt, spec, hw), evaluate(flip_off, spec, hw)
+    result.variants = {
+        "rollout total by actor.offload": {
+            _show(cfg.actor.offload): result.rollout.total,
+            _show(not cfg.actor.offload): off_other.rollout.total,
+        },
+    }
+    if cfg.actor.engine == "megatron":  # FSDP always shards the optimizer
+        result.variants["training peak by actor.use_distributed_optimizer"] = {
+            _show(cfg.actor.use_distributed_optimizer): result.train.total,
+            _show(not cfg.actor.use_distributed_optimizer): opt_other.train.total,
+        }
+    result.knobs = best_knobs(cfg, spec, hw, result)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- text
+
+
+def _show(value) -> str:
+    """A value as a YAML / dotted override spells it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:8.2f}"
+
+
+def render_text(p: Plan) -> str:
+    lines = [f"gspo-ascend plan: {p.model}", f"hardware: {p.hardware}", f"layout: {p.layout}", ""]
+    for phase, verdict in ((p.train, p.train_verdict), (p.rollout, p.rollout_verdict)):
+        lines.append(f"{phase.name} ({phase.where}), GiB per device:")
+        for name, value in phase.parts.items():
+            note = phase.notes.get(name, "")
+            lines.append(f"  {name:<12}{_gib(value)}" + (f"   {note}" if note else ""))
+        share = 100 * phase.total / p.usable_bytes
+        lines.append(f"  {'total':<12}{_gib(phase.total)}   {verdict} ({share:.0f}% of usable)")
+    lines.append(f"  KV cache holds {p.kv_tokens:,} tokens = {p.kv_sequences:.1f} full-length sequences")
+    for what, values in p.variants.items():
+        lines.append(f"  {what}: " + ", ".join(f"{k} -> {v / GIB:.2f} GiB" for k, v in values.items()))
+    lines += ["", f"verdict: {p.verdict}"]
+    if p.knobs:
+        lines.append("knobs that help most (as overrides):")
+        for k in p.knobs:
+            lines.append(
+                f"  {k.key}={_show(k.new)}  (was {_show(k.old)}; training {k.train_gib:.2f} GiB, "
+                f"rollout {k.rollout_gib:.2f} GiB, verdict {_verdict(k.score)})"
+            )
+    return "\n".join(lines)
+
+
+def plan_from_config(path: str | None, overrides=(), hardware: str = "auto") -> Plan:
+    """``gspo-ascend plan``: load and validate the config, refuse layouts the preflight rejects (their
+    numbers would be meaningless), then plan."""
+    from .. import config as config_mod
+    from ..errors import UserError
+    from .hardware import resolve_profile
+    from .modelspec import load_spec
+    from .preflight import failures, preflight
+
+    cfg = config_mod.load_config(path, overrides)
+    if not cfg.model.path:
+        raise UserError("plan needs model.path: a local HF model directory with config.json (the tiny model is '')")
+    spec = load_spec(cfg.model.path)
+    bad = failures(preflight(cfg))
+    if bad:
+        more = f" (and {len(bad) - 1} more; see `gspo-ascend doctor --config`)" if len(bad) > 1 else ""
+        raise UserError(f"{bad[0].name}: {bad[0].finding}{more}")
+    return plan(cfg, spec, resolve_profile(hardware, cfg))

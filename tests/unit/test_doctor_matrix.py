@@ -1,0 +1,51 @@
+"""The compatibility matrix is data: docs/version-matrix.md is rendered from it, and the version ordering
+it relies on handles wheel, CANN and driver version strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from gspo_ascend.doctor import matrix
+from gspo_ascend.doctor.ascend import cann_for_torch_npu
+from gspo_ascend.doctor.versions import compare, matches, normalize_name, release
+from tests.conftest import REPO
+
+
+def test_docs_version_matrix_matches_the_data():
+    doc = (REPO / "docs/version-matrix.md").read_text()
+    assert doc == matrix.render_markdown(), "regenerate: python -m gspo_ascend.doctor.matrix > docs/version-matrix.md"
+
+
+def test_matrix_holds_the_verl_tested_stack():
+    (npu,) = [s for s in matrix.STACKS if s.platform == "npu"]
+    pins = dict(npu.pins)
+    assert pins["cann"] == "==8.3.RC1" and pins["torch-npu"] == "==2.7.1" and pins["vllm-ascend"] == "==0.11.0rc1"
+    assert cann_for_torch_npu("2.7.1") == "8.3.RC1" and cann_for_torch_npu("2.8.0.post2") == "8.5.0"
+    assert {b.package: b.versions for b in matrix.KNOWN_BAD}["transformers"] == ("4.53.0", "4.55.3")
+
+
+@pytest.mark.parametrize(
+    "older, newer",
+    [
+        ("8.3.RC1", "8.3.RC2"),
+        ("8.3.RC2", "8.3.0"),
+        ("8.2.RC1", "8.3.RC1"),
+        ("8.3.RC1", "8.5.0"),
+        ("2.7.1", "2.7.1.post2"),
+        ("2.7.1.dev20250724", "2.7.1"),
+        ("0.11.0rc0", "0.11.0rc1"),
+        ("0.11.0rc1", "0.11.0"),
+        ("24.1.rc1.b030", "24.1.0"),
+        ("4.9.0", "4.57.6"),
+    ],
+)
+def test_version_order(older, newer):
+    assert compare(older, newer) == -1 and compare(newer, older) == 1
+
+
+def test_version_specs():
+    assert matches("2.13.0+cpu", "==2.13.0") and not matches("2.13.0+cpu", "==2.13.0+cu126")
+    assert matches("4.57.6", "==4.57.*") and not matches("4.58.0", "==4.57.*")
+    assert matches("5.19.0", ">=5.16,<5.20") and not matches("5.20.0", ">=5.16,<5.20")
+    assert matches("anything", "*") and release("2.7.1.post2") == (2, 7, 1) and release("8.3.RC1") == (8, 3, 0)
+    assert normalize_name("Torch_NPU") == "torch-npu" and normalize_name("megatron.core") == "megatron-core"

@@ -1,0 +1,245 @@
+"""The memory planner equals hand-computed values (derivations in the comments, from the published configs
+in tests/fixtures/models) for Qwen3-30B-A3B and Qwen2.5-3B in several layouts; verdicts and knobs; the CLI.
+
+Units: bytes. bf16 = 2 B/element. h = hidden, hd = head_dim, V = vocab, I = intermediate, Im = moe_intermediate.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gspo_ascend import config
+from gspo_ascend.doctor.hardware import profile
+from gspo_ascend.doctor.modelspec import load_spec
+from gspo_ascend.doctor.planner import plan, render_text
+from tests.conftest import REPO
+
+MODELS = REPO / "tests/fixtures/models"
+A2 = profile("atlas-800t-a2")  # 65536 MiB HBM, 4096 MiB reserved -> usable 61440 MiB = 64,424,509,440 B
+H20 = profile("h20")  # 97871 MiB HBM, 1024 MiB reserved -> usable 96847 MiB = 101,551,439,872 B
+
+
+def planned(hardware, *overrides):
+    cfg = config.load_config(None, overrides)
+    return plan(cfg, load_spec(cfg.model.path), hardware)
+
+
+# ----------------------------------------------------------------------------------------------- parameters
+
+
+def test_qwen3_30b_a3b_parameter_count():
+    # h 2048, 48 layers, 32 heads, 4 KV heads, hd 128, 128 experts top-8, Im 768, V 151936, untied.
+    # attention: q 2048x4096 + k 2048x512 + v 2048x512 + o 4096x2048 = 18,874,368; q/k norms 2x128 = 256
+    # router 2048x128 = 262,144; experts 128 x 3 x 2048 x 768 = 603,979,776; 2 norms = 4,096
+    # layer = 623,120,640; x 48 = 29,909,790,720; + embed 311,164,928 + lm_head 311,164,928 + norm 2,048
+    spec = load_spec(str(MODELS / "qwen3-30b-a3b"))
+    assert spec.layer_params(0) == 623_120_640
+    assert spec.total_params == 30_532_122_624  # the published 30.5B
+    # active: 8 of 128 experts = 37,748,736 per layer -> 56,889,600 x 48 + 622,331,904 = 3,353,032,704 (3.3B)
+    assert spec.active_params == 3_353_032_704
+
+
+def test_qwen25_3b_parameter_count():
+    # h 2048, 36 layers, 16 heads, 2 KV heads, hd 128, I 11008, V 151936, tied, q/k/v bias.
+    # attention 2 x 2048x2048 + 2 x 2048x256 = 9,437,184 + bias 2048 + 2x256 = 2,560; mlp 3x2048x11008 = 67,633,152
+    # layer = 9,439,744 + 67,633,152 + 4,096 = 77,076,992; x 36 = 2,774,771,712; + embed 311,164,928 + norm 2,048
+    spec = load_spec(str(MODELS / "qwen2.5-3b"))
+    assert spec.layer_params(0) == 77_076_992
+    assert spec.total_params == 3_085_938_688  # the published 3.09B
+    assert spec.qkv_bias and spec.tied and not spec.is_moe
+
+
+# ----------------------------------------------------------------------------------------------- Qwen3-30B-A3B
+
+MOE = [
+    f"model.path={MODELS / 'qwen3-30b-a3b'}",
+    "model.dtype=bfloat16",
+    "trainer.device=npu",
+    "trainer.nnodes=2",
+    "trainer.devices_per_node=8",
+    "actor.engine=megatron",
+    "actor.sequence_parallel=true",
+    "actor.recompute=full",
+    "actor.micro_batch_size=1",
+    "actor.offload=true",
+    "data.train_batch_size=128",
+    "actor.ppo_mini_batch_size=32",
+    "rollout.n=8",
+    "data.max_prompt_length=2048",
+    "data.max_response_length=6144",
+    "rollout.tensor_parallel_size=4",
+    "rollout.gpu_memory_utilization=0.5",
+]
+TP4_PP2_EP4 = ["actor.tensor_parallel_size=4", "actor.pipeline_parallel_size=2", "actor.expert_parallel_size=4"]
+
+
+def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
+    p = planned(A2, *MOE, *TP4_PP2_EP4)
+    # world 16: DP = 16 / (TP4 x PP2) = 2; expert DP = 16 / (ETP1 x EP4 x PP2) = 2; 24 layers per stage.
+    # per layer per device: attention /TP4 = 2048x128x(2x8 q/o heads + 2x1 k/v heads) = 4,718,592;
+    #   replicated: norms 4,096 + q/k norm 256 + router 262,144 = 266,496; experts 128/4 = 32 x 4,718,592
+    # last stage dense = 24 x 4,985,088 + lm_head 311,164,928/4 + final norm 2,048 = 197,435,392
+    # last stage experts = 24 x 32 x 4,718,592 = 3,623,878,656 -> params 3,821,314,048
+    assert p.train.where == "last pipeline stage"
+    assert p.train.parts["weights"] == 7_642_628_096  # x 2 B
+    assert p.train.parts["gradients"] == 7_642_628_096
+    # distributed optimizer: 12 B x (197,435,392 / 2 + 3,623,878,656 / 2) = 12 x 1,910,657,024
+    assert p.train.parts["optimizer"] == 22_927_884_288
+    # full recompute, SP: 24 layers x layer input h/TP x 2 B = 24,576 B/token x 8192 tokens = 201,326,592
+    # + one layer's working set per token: 2 B x (4h/4 + 128 x (2x8 + 2x1) + 8 x (2h + 3 x 768)/4) = 34,304
+    #   x 8192 = 281,018,368 -> 482,344,960 (the last stage has 1 micro-batch in flight under 1F1B)
+    assert p.train.parts["activations"] == 482_344_960
+    # logits: 8192 tokens x 151936/4 x (2 B bf16 + 4 B fp32 log-softmax) = 1,866,989,568
+    assert p.train.parts["logits"] == 1_866_989_568
+    assert p.train.total == 40_562_475_008  # 37.78 GiB < 0.9 x 60 GiB
+    assert p.train_verdict == "fits"
+    # rollout TP4: 48 x (4,718,592 + 266,496 + 603,979,776/4) + 2 x 311,164,928/4 + 2,048 = 7,642,626,048 params
+    assert p.rollout.parts["weights"] == 15_285_252_096
+    # workspace: 8192 batched tokens x 2 B x (4h + 3 x 8 x 768 / 4) = 209,715,200
+    assert p.rollout.parts["workspace"] == 209_715_200
+    # KV cache = 0.5 x 64 GiB - weights - workspace = 34,359,738,368 - 15,285,252,096 - 209,715,200
+    assert p.rollout.parts["kv cache"] == 18_864_771_072
+    # per token: 2 (K, V) x 48 layers x 1 KV head (4/TP4) x 128 x 2 B = 24,576 -> 767,609 tokens (93.7 x 8192)
+    assert p.kv_tokens == 767_609
+    assert p.rollout.parts["actor state"] == 0 and p.rollout.total == 34_359_738_368  # offloaded
+    assert p.verdict == "fits"
+
+
+def test_qwen3_30b_a3b_2x8_a2_tp2_pp4_ep4():
+    p = planned(
+        A2, *MOE, "actor.tensor_parallel_size=2", "actor.pipeline_parallel_size=4", "actor.expert_parallel_size=4"
+    )
+    # DP = 16 / (2 x 4) = 2; expert DP = 16 / (1 x 4 x 4) = 1; 12 layers per stage
+    # attention /TP2 = 2048 x 128 x (2x16 + 2x2) = 9,437,184; last dense = 12 x 9,703,680 + 311,164,928/2 + 2,048
+    #   = 272,028,672; experts = 12 x 32 x 4,718,592 = 1,811,939,328
+    assert p.train.parts["weights"] == 4_167_936_000
+    # optimizer: 12 x (272,028,672 / 2 + 1,811,939,328 / 1)
+    assert p.train.parts["optimizer"] == 23_375_443_968
+    # 12 x 2048 B x 8192 + 2 x (4096 + 128 x 36 + 8 x (4096 + 2304)/2) x 8192 = 201,326,592 + 562,036,736
+    assert p.train.parts["activations"] == 763_363_328
+    assert p.train.parts["logits"] == 3_733_979_136  # 8192 x 75,968 x 6
+    # the first stage (4 micro-batches in flight, no logits) is smaller: 33,078,638,592
+    assert p.train.total == 36_208_658_432
+
+
+def test_qwen3_30b_a3b_without_distributed_optimizer_is_tight():
+    p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.use_distributed_optimizer=false")
+    # optimizer 12 x 3,821,314,048 = 45,855,768,576 -> total 63,490,359,296 B: above 0.9 x usable, below usable
+    assert p.train.parts["optimizer"] == 45_855_768_576
+    assert p.train.total == 63_490_359_296 and p.train_verdict == "tight"
+    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 40_562_475_008
+    assert p.knobs[0].key in ("actor.use_distributed_optimizer", "actor.pipeline_parallel_size")
+
+
+def test_qwen3_30b_a3b_without_offload_does_not_fit_rollout():
+    p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false")
+    # weights + grads + optimizer stay during rollout: 38,213,140,480 + vLLM's 0.5 x 64 GiB = 72,572,878,848 > 60 GiB
+    assert p.rollout.parts["actor state"] == 38_213_140_480
+    assert p.rollout.total == 72_572_878_848
+    assert p.rollout_verdict == "OOM" and p.verdict == "OOM"
+    assert p.knobs[0].key == "actor.offload" and p.knobs[0].new is True
+    assert "actor.offload=true  (was false;" in render_text(p)
+
+
+# ----------------------------------------------------------------------------------------------- Qwen2.5-3B
+
+DENSE = [
+    f"model.path={MODELS / 'qwen2.5-3b'}",
+    "model.dtype=bfloat16",
+    "trainer.devices_per_node=8",
+    "data.train_batch_size=64",
+    "actor.ppo_mini_batch_size=16",
+    "rollout.tensor_parallel_size=2",
+]
+
+
+def test_qwen25_3b_fsdp_on_a2():
+    # the field case: FSDP on one 8-NPU node, 16 responses, 2k prompt / 8k response, gradient checkpointing
+    p = planned(
+        A2,
+        *DENSE,
+        "trainer.device=npu",
+        "actor.engine=fsdp",
+        "model.gradient_checkpointing=true",
+        "actor.micro_batch_size=1",
+        "rollout.n=16",
+        "data.max_prompt_length=2048",
+        "data.max_response_length=8192",
+        "rollout.gpu_memory_utilization=0.75",
+    )
+    # ZeRO-3 over 8 ranks: fp32 params 4 x 3,085,938,688 / 8, fp32 grads the same, Adam 8 x P / 8
+    assert p.train.parts["weights"] == 1_542_969_344 and p.train.parts["gradients"] == 1_542_969_344
+    assert p.train.parts["optimizer"] == 3_085_938_688
+    # gathered bf16: (tied embedding 311,164,928 + norm 2,048 + 2 layers x 77,076,992) x 2 B
+    assert p.train.parts["gathered"] == 930_641_920
+    # 10240 tokens: 36 layer inputs x 2h B = 1,509,949,440 + one layer 2 x (4h + 128 x 36 + 3 x 11008) x 10240
+    #   = 938,475,520
+    assert p.train.parts["activations"] == 2_448_424_960
+    assert p.train.parts["logits"] == 9_334_947_840  # 10240 x 151936 x 6
+    assert p.train.total == 18_885_892_096  # 17.59 GiB
+    # rollout TP2: 36 x (4,719,872 + 4,096 + 33,816,576) + 311,164,928/2 + 2,048 = 1,543,044,096 params x 2 B
+    assert p.rollout.parts["weights"] == 3_086_088_192
+    assert p.rollout.parts["workspace"] == 404_750_336  # 8192 x 2 x (4h + 3 x 11008 / 2)
+    # 0.75 x 64 GiB - weights - workspace; per token 2 x 36 x 1 x 128 x 2 = 18,432 B -> 2,606,812 tokens
+    assert p.rollout.parts["kv cache"] == 48_048_769_024 and p.kv_tokens == 2_606_812
+    # the actor's 6,171,877,376 B stay (no offload): 57,711,484,928 <= 0.9 x usable = 57,982,058,496
+    assert p.rollout.total == 57_711_484_928 and p.verdict == "fits"
+    assert "training peak by actor.use_distributed_optimizer" not in p.variants
+
+
+def test_qwen25_3b_megatron_tp2_on_h20():
+    p = planned(
+        H20,
+        *DENSE,
+        "trainer.device=cuda",
+        "actor.engine=megatron",
+        "actor.tensor_parallel_size=2",
+        "actor.micro_batch_size=2",
+        "actor.use_distributed_optimizer=false",
+        "actor.recompute=selective",
+        "rollout.n=8",
+        "data.max_prompt_length=1024",
+        "data.max_response_length=3072",
+    )
+    # TP2: 36 x (attention 4,719,872 + norms 4,096 + mlp 33,816,576) + embed 155,582,464 + norm 2,048 (tied: once)
+    assert p.train.parts["weights"] == 2 * 1_543_044_096
+    assert p.train.parts["optimizer"] == 12 * 1_543_044_096  # not sharded
+    # no SP: 2 x (4h + 128 x (2x8 + 2x1) + 3 x 11008/2) = 54,016 B/token x 36 layers x 8192 tokens (mbs 2 x 4096)
+    assert p.train.parts["activations"] == 15_929_966_592
+    assert p.train.parts["logits"] == 3_733_979_136  # 8192 x 75,968 x 6
+    assert p.train.total == 44_352_651_264 and p.train_verdict == "fits"
+    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 30_465_254_400  # DP 4
+
+
+def test_eager_attention_adds_the_score_term():
+    base = [*DENSE, "trainer.device=cuda", "actor.engine=megatron", "actor.micro_batch_size=1", "rollout.n=8"]
+    flash = planned(H20, *base, "model.attn_implementation=sdpa")
+    eager = planned(H20, *base, "model.attn_implementation=eager")
+    # Korthikanti's 5 a s^2 b bytes per layer: 5 x 16 heads x 192 (=128+64 tokens) per token x 36 layers x 192 tokens
+    assert eager.train.parts["activations"] - flash.train.parts["activations"] == 5 * 16 * 192 * 36 * 192
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def test_plan_cli_json(cli):
+    proc = cli("plan", *MOE, *TP4_PP2_EP4, "--hardware", "atlas-800t-a2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["verdict"] == "fits" and out["train"]["total"] == 40_562_475_008 and len(out["knobs"]) == 3
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["trainer.devices_per_node=1"], "plan needs model.path"),
+        ([*MOE, "actor.tensor_parallel_size=8"], "num_query_groups (4) must be a multiple"),
+        ([*MOE, "--hardware", "tpu-v5"], "--hardware 'tpu-v5' is unknown"),
+    ],
+)
+def test_plan_cli_bad_input_exit_2(cli, args, fragment):
+    proc = cli("plan", *args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], proc.stderr

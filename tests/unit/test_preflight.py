@@ -1,0 +1,241 @@
+"""Config preflight: one test per rule, each with a config that fails it and one that passes; every shipped
+config passes; `train --dry-run` exits 2 listing every finding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gspo_ascend import config
+from gspo_ascend.doctor.hardware import HardwareInfo, parse_npu_smi
+from gspo_ascend.doctor.preflight import preflight, preflight_file
+from tests.conftest import REPO
+
+MODELS = REPO / "tests/fixtures/models"
+QWEN3_MOE = str(MODELS / "qwen3-30b-a3b")
+QWEN25_3B = str(MODELS / "qwen2.5-3b")
+
+# Qwen3-30B-A3B on 2 x 8 Atlas A2 with a layout that folds: TP4 x PP2 = 8, EP4 x ETP1 x PP2 = 8 | 16.
+MOE_2X8 = [
+    f"model.path={QWEN3_MOE}",
+    "model.dtype=bfloat16",
+    "trainer.device=npu",
+    "trainer.nnodes=2",
+    "trainer.devices_per_node=8",
+    "actor.engine=megatron",
+    "actor.tensor_parallel_size=4",
+    "actor.pipeline_parallel_size=2",
+    "actor.expert_parallel_size=4",
+    "actor.sequence_parallel=true",
+    "actor.micro_batch_size=1",
+    "actor.ppo_mini_batch_size=32",
+    "data.train_batch_size=128",
+    "data.max_prompt_length=2048",
+    "data.max_response_length=6144",
+    "rollout.n=8",
+    "rollout.tensor_parallel_size=4",
+]
+# Qwen2.5-3B dense on one 8-device node with Megatron TP2.
+DENSE_1X8 = [
+    f"model.path={QWEN25_3B}",
+    "model.dtype=bfloat16",
+    "trainer.device=npu",
+    "trainer.devices_per_node=8",
+    "actor.engine=megatron",
+    "actor.tensor_parallel_size=2",
+    "actor.sequence_parallel=true",
+    "actor.micro_batch_size=2",
+    "actor.ppo_mini_batch_size=16",
+    "data.train_batch_size=64",
+    "data.max_prompt_length=2048",
+    "data.max_response_length=8192",
+    "rollout.n=16",
+    "rollout.tensor_parallel_size=2",
+]
+
+
+def run(base, *overrides, hardware=None):
+    cfg = config.load_config(None, [*base, *overrides], validate=False)
+    return preflight(cfg, hardware)
+
+
+def finding(checks, rule):
+    (found,) = [c for c in checks if c.name == f"preflight:{rule}"]
+    return found
+
+
+def fails(checks):
+    return [c for c in checks if c.status == "fail"]
+
+
+@pytest.mark.parametrize("base", [MOE_2X8, DENSE_1X8], ids=["qwen3-30b-a3b-2x8", "qwen2.5-3b-1x8"])
+def test_reference_layouts_pass(base):
+    checks = run(base)
+    assert fails(checks) == [] and [c for c in checks if c.status == "warn"] == []
+
+
+def test_rule_world_divisible_by_tp_pp_cp():
+    bad = finding(run(MOE_2X8, "actor.pipeline_parallel_size=3"), "world")
+    assert bad.status == "fail" and "world 16" in bad.finding and "4x3x1 = 12" in bad.finding
+    assert finding(run(MOE_2X8), "world").finding == "world 16 = TP 4 x PP 2 x CP 1 x DP 2"
+
+
+def test_rule_heads_field_failure_tp8_on_4_kv_heads():
+    bad = finding(run(MOE_2X8, "actor.tensor_parallel_size=8", "actor.pipeline_parallel_size=1"), "heads")
+    assert bad.status == "fail"
+    assert "num_query_groups (4) must be a multiple of tensor_model_parallel_size (8)" in bad.finding
+    assert "1, 2, 4" in bad.fix
+    bad = finding(run(MOE_2X8, "actor.tensor_parallel_size=3", "trainer.devices_per_node=6"), "heads")
+    assert bad.status == "fail" and "num_attention_heads (32)" in bad.finding
+    assert finding(run(MOE_2X8), "heads").status == "ok"
+
+
+def test_rule_heads_kv_replication_is_only_a_warning_off_npu():
+    # megatron-core 0.16 (our CPU / GPU stack) replicates KV heads; 0.12.1 under MindSpeed does not
+    warn = finding(
+        run(MOE_2X8, "actor.tensor_parallel_size=8", "actor.pipeline_parallel_size=1", "trainer.device=cuda"), "heads"
+    )
+    assert warn.status == "warn"
+
+
+def test_rule_layers_divisible_by_pp():
+    bad = finding(
+        run(MOE_2X8, "actor.pipeline_parallel_size=5", "trainer.nnodes=5", "trainer.devices_per_node=4"), "layers"
+    )
+    assert (
+        bad.status == "fail"
+        and "num_hidden_layers (48) is not divisible by actor.pipeline_parallel_size (5)" in bad.finding
+    )
+    assert finding(run(MOE_2X8), "layers").finding == "48 layers = 24 per pipeline stage"
+
+
+def test_rule_experts_divisible_by_ep():
+    bad = finding(run(MOE_2X8, "actor.expert_parallel_size=3", "trainer.nnodes=3"), "experts")
+    assert bad.status == "fail" and "num_experts (128)" in bad.finding
+    dense = finding(run(DENSE_1X8, "actor.expert_parallel_size=2"), "experts")
+    assert dense.status == "fail" and "dense model" in dense.finding
+    assert finding(run(MOE_2X8), "experts").finding == "128 experts = 32 per EP rank"
+
+
+def test_rule_moe_folding_field_failure_tp4_pp4_ep8_on_16():
+    checks = run(MOE_2X8, "actor.pipeline_parallel_size=4", "actor.expert_parallel_size=8")
+    bad = finding(checks, "moe-folding")
+    # the message megatron/core/parallel_state.py raises in initialize_model_parallel
+    assert bad.status == "fail"
+    assert "world_size (16) is not divisible by expert_tensor_model_pipeline_parallel size (32)" in bad.finding
+    assert "4 ranks per pipeline stage" in bad.finding
+    ok = finding(run(MOE_2X8, "actor.pipeline_parallel_size=4", "actor.expert_parallel_size=4"), "moe-folding")
+    assert ok.status == "ok" and "expert DP 1" in ok.finding
+
+
+def test_rule_moe_needs_sequence_parallel_with_tp():
+    warn = finding(run(MOE_2X8, "actor.sequence_parallel=false"), "moe-sp")
+    assert warn.status == "warn" and "actor.sequence_parallel=true" in warn.fix
+    assert not [c for c in run(MOE_2X8) if c.name == "preflight:moe-sp"]
+
+
+def test_rule_rollout_tp_fits_a_node_and_the_heads():
+    assert finding(run(MOE_2X8, "rollout.tensor_parallel_size=16"), "rollout-tp").status == "fail"
+    bad = finding(run(MOE_2X8, "rollout.tensor_parallel_size=3", "trainer.devices_per_node=6"), "rollout-tp")
+    assert bad.status == "fail" and "num_attention_heads (32)" in bad.finding
+    ok = finding(run(DENSE_1X8, "rollout.tensor_parallel_size=4"), "rollout-tp")  # 4 > 2 KV heads: vLLM replicates
+    assert ok.status == "ok" and ok.finding == "rollout TP 4: 2 engine(s)"
+
+
+def test_rule_batch_minibatch_over_dp_and_micro_batches():
+    # TP1 PP1 on 16 devices = DP 16; a minibatch of 1 prompt x 8 samples cannot split over 16 ranks
+    one_prompt = ["actor.ppo_mini_batch_size=1", "data.train_batch_size=4", "rollout.n=8"]
+    bad = finding(run(DENSE_1X8, "trainer.nnodes=2", "actor.tensor_parallel_size=1", *one_prompt), "batch")
+    assert bad.status == "fail" and "1x8 = 8 samples does not split over DP 16" in bad.finding
+    # Megatron's num_microbatches_calculator assertion
+    bad = finding(run(MOE_2X8, "actor.micro_batch_size=3"), "batch")
+    assert bad.status == "fail"
+    assert (
+        "global batch size (256) is not divisible by micro batch size (3) times data parallel size (2)" in bad.finding
+    )
+    ok = finding(run(MOE_2X8), "batch")
+    assert ok.status == "ok" and ok.finding == "4 minibatches of 256 samples = 128 per DP rank (DP 2)"
+
+
+def test_rule_micro_batch_or_token_budget_is_set():
+    # field failure #4, "Please set micro_batch_size or set use_flash_attn=True": caught by the schema's rule
+    bad = fails(run(MOE_2X8, "actor.micro_batch_size=null"))
+    assert any("actor.micro_batch_size" in c.finding and "max_tokens_per_micro_batch" in c.finding for c in bad)
+    short = finding(run(MOE_2X8, "actor.max_tokens_per_micro_batch=4096"), "micro-batch")
+    assert short.status == "fail" and "below one full sequence" in short.finding and "8192" in short.fix
+    assert finding(run(MOE_2X8, "actor.max_tokens_per_micro_batch=16384"), "micro-batch").status == "ok"
+
+
+def test_rule_seq_len_within_model_and_vllm_limits():
+    bad = finding(run(MOE_2X8, "data.max_response_length=40000"), "seq-len")
+    assert bad.status == "fail" and "exceeds the model's 40960 positions" in bad.finding
+    bad = finding(run(MOE_2X8, "rollout.max_model_len=4096"), "seq-len")
+    assert bad.status == "fail" and "exceeds rollout.max_model_len (4096)" in bad.finding
+    bad = finding(run(MOE_2X8, "rollout.max_model_len=65536"), "seq-len")
+    assert bad.status == "fail" and "vLLM refuses it" in bad.finding
+    assert finding(run(MOE_2X8, "rollout.max_model_len=16384"), "seq-len").status == "ok"
+
+
+def test_rule_mc2_legal_on_a2():
+    moe = finding(run(MOE_2X8, "actor.use_mc2=true"), "mc2")
+    assert moe.status == "fail" and "the model must be dense" in moe.finding
+    no_sp = finding(run(DENSE_1X8, "actor.use_mc2=true", "actor.sequence_parallel=false"), "mc2")
+    assert no_sp.status == "fail" and "actor.sequence_parallel must be true" in no_sp.finding
+    tp1 = finding(run(DENSE_1X8, "actor.use_mc2=true", "actor.tensor_parallel_size=1"), "mc2")
+    assert "one of (2, 4, 8)" in tp1.finding
+    assert finding(run(DENSE_1X8, "actor.use_mc2=true"), "mc2").status == "ok"
+
+
+def test_rule_devices_per_node_against_the_host():
+    eight = parse_npu_smi((REPO / "tests/fixtures/doctor/npu-smi-info-8x910B3.txt").read_text())
+    bad = finding(run(MOE_2X8, "trainer.devices_per_node=16", "trainer.nnodes=1", hardware=eight), "devices")
+    assert bad.status == "fail" and "this host has 8 NPUs" in bad.finding
+    assert finding(run(MOE_2X8, hardware=eight), "devices").status == "ok"
+    assert not [c for c in run(MOE_2X8, hardware=HardwareInfo("cpu")) if c.name == "preflight:devices"]
+
+
+def test_rule_model_path():
+    bad = finding(run(MOE_2X8, "model.path=/nonexistent/model"), "model")
+    assert bad.status == "fail" and "'/nonexistent/model' has no config.json" in bad.finding
+    assert "model checks skipped" in finding(run([], "model.path=''"), "model").finding
+    assert "qwen3_moe (MoE 128 experts top-8, 30.53B params)" in finding(run(MOE_2X8), "model").finding
+
+
+def test_unknown_key_is_a_finding_with_the_closest_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  clip_ratio_lo: 0.1\n")
+    cfg, checks = preflight_file(str(path))
+    assert cfg is None and checks[0].status == "fail"
+    assert "unknown config key 'algorithm.clip_ratio_lo'; did you mean 'algorithm.clip_ratio_low'?" in checks[0].finding
+
+
+def _shipped(path: Path) -> list[str]:
+    # shipped cluster configs point at models on the cluster; use the fixture of the same name when present
+    cfg = config.load_config(path, validate=False)
+    if cfg.model.path and not Path(cfg.model.path).exists():
+        fixture = MODELS / Path(cfg.model.path).name.lower()
+        return [f"model.path={fixture}" if fixture.exists() else "model.path=''"]
+    return []
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_passes(path):
+    _, checks = preflight_file(str(path), _shipped(path))
+    assert fails(checks) == [], [c.finding for c in fails(checks)]
+
+
+def test_train_dry_run_lists_every_problem(cli):
+    proc = cli(
+        "train",
+        "--dry-run",
+        *MOE_2X8,
+        "trainer.device=cpu",
+        "actor.pipeline_parallel_size=4",
+        "actor.expert_parallel_size=8",
+        "actor.micro_batch_size=3",
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "[fail] preflight:moe-folding" in proc.stdout and "[fail] preflight:batch" in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == "error: preflight found 2 problem(s) in the config (listed above on stdout)"

@@ -235,6 +235,14 @@ def gspo_loss(
     return loss, _metrics(loss, mask, lengths, log_s, delta, high, low, dual)
 
 
+def _token_level_loss(ratio, advantages, mask, lengths, log_s, delta, clip, agg_mode, counts):
+    """Shared tail of the token-level losses (GSPO-token, GRPO): clipped surrogate per token, then aggregate."""
+    adv = _token_advantages(advantages, mask, delta.dtype)  # [B, 1] or [B, T]
+    token_loss, high, low, dual = clipped_surrogate(ratio, adv, *clip)
+    loss = agg_loss(token_loss, mask, agg_mode, **counts)
+    return loss, _metrics(loss, mask, lengths, log_s, delta, high, low, dual)
+
+
 def gspo_token_loss(
     log_prob: torch.Tensor,  # [B, T] log pi_theta(y_it), requires grad
     old_log_prob: torch.Tensor,  # [B, T] log pi_old(y_it)
@@ -265,17 +273,9 @@ def gspo_token_loss(
     live = torch.where(mask, lp - lp.detach(), 0.0)  # [B, T]
     # log s_it = sg[log s_i] + log pi_theta(y_it) - sg[log pi_theta(y_it)]   (paper: GSPO-token ratio)
     ratio = torch.exp(log_s.detach().unsqueeze(-1) + live)  # [B, T], value s_i
-    adv = _token_advantages(advantages, mask, delta.dtype)  # [B, 1] or [B, T]
-    token_loss, high, low, dual = clipped_surrogate(ratio, adv, clip_low, clip_high, clip_ratio_c)
-    loss = agg_loss(
-        token_loss,
-        mask,
-        agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_length=norm_length,
-    )
-    return loss, _metrics(loss, mask, lengths, log_s, delta, high, low, dual)
+    clip = (clip_low, clip_high, clip_ratio_c)
+    counts = {"global_tokens": global_tokens, "global_seqs": global_seqs, "norm_length": norm_length}
+    return _token_level_loss(ratio, advantages, mask, lengths, log_s, delta, clip, agg_mode, counts)
 
 
 def grpo_loss(
@@ -304,18 +304,10 @@ def grpo_loss(
     mask, lengths, delta = _token_log_ratio(log_prob, old_log_prob, response_mask)
     # r_it = pi_theta(y_it) / pi_old(y_it)
     ratio = torch.exp(delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]; 1 on padding
-    adv = _token_advantages(advantages, mask, delta.dtype)  # [B, 1] or [B, T]
-    token_loss, high, low, dual = clipped_surrogate(ratio, adv, clip_low, clip_high, clip_ratio_c)
-    loss = agg_loss(
-        token_loss,
-        mask,
-        agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_length=norm_length,
-    )
     log_s = _seq_log_ratio(delta, lengths)  # reported only: sequence ratio of GRPO's update
-    return loss, _metrics(loss, mask, lengths, log_s, delta, high, low, dual)
+    clip = (clip_low, clip_high, clip_ratio_c)
+    counts = {"global_tokens": global_tokens, "global_seqs": global_seqs, "norm_length": norm_length}
+    return _token_level_loss(ratio, advantages, mask, lengths, log_s, delta, clip, agg_mode, counts)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {

@@ -106,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
+
+    from .data.cli import add_prepare_data_args, main_prepare_data
+    from .tiny import add_make_tiny_model_args, main_make_tiny_model
+
+    p = sub.add_parser("make-tiny-model", help="build the embedded tiny Qwen3 / Qwen3-MoE model offline")
+    add_make_tiny_model_args(p)
+    p.set_defaults(func=main_make_tiny_model)
+
+    p = sub.add_parser("prepare-data", help="convert local gsm8k / MATH-lighteval / DAPO-Math files to parquet")
+    add_prepare_data_args(p)
+    p.set_defaults(func=main_prepare_data)
     return parser
 
 

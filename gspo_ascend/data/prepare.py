@@ -1,0 +1,188 @@
+"""``prepare_data``: local gsm8k / MATH-lighteval / DAPO-Math-17k files (or the synthetic task) -> RL parquet.
+
+Output (``train.parquet``, and ``test.parquet`` when the input has a test split), one row per prompt::
+
+    data_source   str                              e.g. "openai/gsm8k"
+    prompt        list<struct<role: str, content: str>>   chat messages; the last asks for \\boxed{}
+    ability       str                              "math"
+    reward_model  struct<style: str, ground_truth: str>   style "rule"
+    extra_info    struct<split: str, index: int64> index = row number in the input split
+
+How we differ from verl's preprocess scripts: the same columns (a verl parquet loads here and ours in verl),
+but inputs are local files (no hub), every prompt asks for the answer in ``\\boxed{}`` (DAPO's "Answer:"
+instruction is replaced, so one math-verify scorer fits all three), ground truths are plain strings
+(gsm8k's thousands separators removed), rows whose final answer cannot be found are skipped and counted, and
+duplicate (question, answer) pairs are dropped: the published DAPO-Math-17k parquet repeats its ~17k
+problems many times over (deduplicated community copies exist for that reason), so one "epoch" of it would
+silently be many passes over the same problems.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+from ..rewards.math_answer import extract_boxed
+from .sources import find_data_files, read_rows
+
+# Qwen2.5-Math's wording; Qwen models were tuned on it, so it costs nothing in accuracy to standardise on it.
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+_DAPO_HEAD = "Solve the following math problem step by step."
+_DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:"'
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    data_source: str
+    columns: tuple[str, ...]
+    # row -> (question, ground truth, data_source or None for the default); None = no final answer, skip
+    convert: Callable[[dict], tuple[str, str, str | None] | None]
+
+
+def _gsm8k(row: dict):
+    answer = str(row["answer"])
+    if "####" not in answer:
+        return None
+    return str(row["question"]).strip(), answer.rsplit("####", 1)[1].strip().replace(",", ""), None
+
+
+def _math_lighteval(row: dict):
+    boxed = extract_boxed(str(row["solution"]))
+    return (str(row["problem"]).strip(), boxed, None) if boxed else None
+
+
+def dapo_question(content: str) -> str:
+    """The problem text inside DAPO-Math-17k's user message, without its "Answer:" format instructions."""
+    text = content.strip()
+    if text.startswith(_DAPO_HEAD) and "\n\n" in text:
+        text = text.split("\n\n", 1)[1]
+    return text.split(_DAPO_TAIL, 1)[0].strip()
+
+
+def _dapo_math(row: dict):
+    prompt, reward = row["prompt"], row["reward_model"] or {}
+    user = [m for m in (prompt or []) if isinstance(m, dict) and m.get("role") == "user"]
+    truth = reward.get("ground_truth") if isinstance(reward, dict) else None
+    if not user or truth is None or str(truth).strip() == "":
+        return None
+    return dapo_question(str(user[-1]["content"])), str(truth).strip(), row.get("data_source") or None
+
+
+KINDS: dict[str, Kind] = {
+    "gsm8k": Kind("gsm8k", "openai/gsm8k", ("question", "answer"), _gsm8k),
+    "math_lighteval": Kind(
+        "math_lighteval", "DigitalLearningGmbH/MATH-lighteval", ("problem", "solution"), _math_lighteval
+    ),
+    "dapo_math": Kind(
+        "dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", ("prompt", "reward_model", "data_source"), _dapo_math
+    ),
+}
+SYNTHETIC = "synthetic"
+VALID_KINDS = (*KINDS, SYNTHETIC)
+
+
+def output_schema():
+    import pyarrow as pa
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(message)),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+        ]
+    )
+
+
+def make_row(data_source: str, messages: list[dict], ground_truth: str, split: str, index: int) -> dict:
+    return {
+        "data_source": data_source,
+        "prompt": messages,
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def _convert_split(kind: Kind, files: list[Path], split: str, dedupe: bool) -> tuple[list[dict], dict]:
+    rows, seen, skipped, duplicates, index = [], set(), 0, 0, 0
+    for path in files:
+        for raw in read_rows(path, list(kind.columns)):
+            converted = kind.convert(raw)
+            index += 1
+            if converted is None:
+                skipped += 1
+                continue
+            question, truth, source = converted
+            if dedupe and (question, truth) in seen:
+                duplicates += 1
+                continue
+            seen.add((question, truth))
+            messages = [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}]
+            rows.append(make_row(source or kind.data_source, messages, truth, split, index - 1))
+    return rows, {"rows": len(rows), "skipped_no_answer": skipped, "duplicates_dropped": duplicates}
+
+
+def write_parquet(rows: list[dict], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(pa.Table.from_pylist(rows, schema=output_schema()), tmp)
+    tmp.replace(path)  # readers never see a half-written file
+
+
+def _synthetic_rows(seed: int, num_train: int, num_test: int) -> dict[str, list[dict]]:
+    from ..tiny import SYNTHETIC_DATA_SOURCE, synthetic_arithmetic
+
+    out = {}
+    for split, n in (("train", num_train), ("test", num_test)):
+        records = synthetic_arithmetic(n, seed=seed, split=split)
+        out[split] = [
+            make_row(SYNTHETIC_DATA_SOURCE, r["prompt"], r["answer"], split, i) for i, r in enumerate(records)
+        ]
+    return out
+
+
+def prepare_data(
+    kind: str,
+    input_path: str | Path | None,
+    output_dir: str | Path,
+    *,
+    dedupe: bool = True,
+    seed: int = 0,
+    num_train: int = 2048,
+    num_test: int = 256,
+) -> dict[str, dict]:
+    """Convert a local dataset to ``output_dir/{train,test}.parquet``; returns per-split counts and paths.
+
+    ``kind``: gsm8k | math_lighteval | dapo_math (read ``input_path``: one file or a directory) or synthetic
+    (the tiny arithmetic task of :mod:`gspo_ascend.tiny`; ``seed``, ``num_train``, ``num_test`` apply).
+    """
+    if kind not in VALID_KINDS:
+        raise UserError(f"unknown dataset kind '{kind}'; valid kinds: {', '.join(VALID_KINDS)}")
+    out_dir = Path(output_dir).expanduser()
+    if kind == SYNTHETIC:
+        by_split = _synthetic_rows(seed, num_train, num_test)
+        summary = {s: {"rows": len(r), "skipped_no_answer": 0, "duplicates_dropped": 0} for s, r in by_split.items()}
+    else:
+        if input_path is None:
+            raise UserError(f"dataset kind '{kind}' needs an input path (a local .parquet/.jsonl file or directory)")
+        by_split, summary = {}, {}
+        for split, files in sorted(find_data_files(input_path).items()):
+            by_split[split], summary[split] = _convert_split(KINDS[kind], files, split, dedupe)
+    for split, rows in by_split.items():
+        if not rows:
+            skipped = summary[split]["skipped_no_answer"]
+            why = f"all {skipped} rows had no final answer; is this the right --kind?" if skipped else "it is empty"
+            raise UserError(f"dataset kind '{kind}': the {split} split of '{input_path}' gave no rows: {why}")
+        path = out_dir / f"{split}.parquet"
+        write_parquet(rows, path)
+        summary[split]["path"] = str(path)
+    return summary

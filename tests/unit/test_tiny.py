@@ -1,0 +1,154 @@
+"""The embedded tiny models, at a reduced size (the shipped build takes ~40 s; see docs/data.md for its numbers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gspo_ascend.errors import UserError
+from gspo_ascend.tiny import (
+    MANIFEST,
+    TinySpec,
+    build_model,
+    build_tokenizer,
+    encode_example,
+    ensure_tiny_model,
+    make_tiny_model,
+    read_manifest,
+    sft_examples,
+    supervised_pass,
+    synthetic_arithmetic,
+)
+
+# One layer, one 64-wide head (head_dim stays 64, the smallest vLLM's CPU attention takes), a few steps.
+SMALL = dict(
+    hidden_size=64,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    batch_size=8,
+    sft_steps=4,
+    noisy_sft_steps=2,
+    eval_prompts=4,
+    eval_max_new_tokens=16,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(seed=0)
+
+
+def test_synthetic_arithmetic_is_seeded_and_correct():
+    a = synthetic_arithmetic(50, seed=3, split="train")
+    assert a == synthetic_arithmetic(50, seed=3, split="train")
+    assert a != synthetic_arithmetic(50, seed=3, split="test") and a != synthetic_arithmetic(50, seed=4)
+    for r in a:
+        assert r["answer"] == str(r["a"] + r["b"] if r["op"] == "+" else r["a"] - r["b"])
+        assert int(r["answer"]) >= 0 and "\\boxed{}" in r["prompt"][0]["content"]
+    assert {r["op"] for r in a} == {"+", "-"}
+
+
+def test_tokenizer_round_trip(tokenizer):
+    for text in ["7 + 5 = 12. \\boxed{12}", "What is 9 - 3? Put the final answer in \\boxed{}.", "naïve ∑ 3.14 ü"]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.tokenize("123") == ["1", "2", "3"]  # digits one per token, as Qwen's tokenizer
+    assert 256 < len(tokenizer) <= TinySpec.vocab_size
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+
+
+def test_chat_template(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 2?"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
+    with_prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert with_prompt == text + "<|im_start|>assistant\n"
+    ids = tokenizer(with_prompt, add_special_tokens=False)["input_ids"]
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # special tokens stay single tokens
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_model_builds_with_head_dim_64(tokenizer, moe):
+    model = build_model(TinySpec(moe=moe, **SMALL), tokenizer, seed=0)
+    attn = model.model.layers[0].self_attn
+    assert model.config.head_dim == 64 and attn.head_dim == 64
+    assert type(model).__name__ == ("Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM")
+    if moe:
+        assert model.config.num_experts == 4 and model.config.num_experts_per_tok == 2 and model.config.norm_topk_prob
+    ids = torch.tensor([tokenizer("What is 1 + 1?")["input_ids"]])
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], TinySpec.vocab_size)
+
+
+def test_sft_lowers_the_loss(tokenizer):
+    spec = TinySpec(**{**SMALL, "batch_size": 16})
+    model = build_model(spec, tokenizer, seed=0)
+    examples = sft_examples(tokenizer, spec, seed=0, steps=40, p_correct=1.0, stream="sft")
+    losses = supervised_pass(model, examples, batch_size=16, lr=3e-3, pad_id=tokenizer.pad_token_id)
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.5 * losses[0]
+
+
+def test_sft_masks_the_prompt(tokenizer):
+    record = synthetic_arithmetic(1, seed=0)[0]
+    prompt, response = encode_example(tokenizer, record, int(record["answer"]))
+    assert tokenizer.decode(response) == f"{record['a']} {record['op']} {record['b']} = {record['answer']}. " + (
+        f"\\boxed{{{record['answer']}}}<|im_end|>"
+    )
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+
+
+def test_same_seed_gives_identical_weights_and_loads(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    first = make_tiny_model(tmp_path / "a", seed=7, **SMALL)
+    make_tiny_model(tmp_path / "b", seed=7, **SMALL)
+    make_tiny_model(tmp_path / "c", seed=8, **SMALL)
+    weights = {d: (tmp_path / d / "model.safetensors").read_bytes() for d in "abc"}
+    assert weights["a"] == weights["b"] and weights["a"] != weights["c"]
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+
+    manifest = json.loads((tmp_path / "a" / MANIFEST).read_text())
+    assert manifest == {**first, "build_seconds": manifest["build_seconds"]}
+    assert manifest["seed"] == 7 and manifest["sft"]["clean_steps"] == 4 and manifest["sft"]["noisy_steps"] == 2
+    assert 0.0 <= manifest["initial_accuracy"]["sampled_t1"] <= 1.0 and manifest["initial_accuracy"]["num_prompts"] == 4
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert model.config.head_dim == 64 and tok.eos_token_id == model.config.eos_token_id
+
+
+def test_moe_variant_saves(tmp_path):
+    manifest = make_tiny_model(tmp_path / "moe", moe=True, evaluate=False, **SMALL)
+    assert manifest["architecture"] == "Qwen3MoeForCausalLM" and manifest["initial_accuracy"] is None
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert config["num_experts"] == config["num_local_experts"] == 4 and config["moe_intermediate_size"] == 32
+    assert config["rope_theta"] == 10000.0  # the transformers-4.x spellings are written too
+
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(tmp_path / "moe")
+    assert loaded.num_experts == 4 and loaded.rope_parameters["rope_theta"] == 10000.0
+
+
+def test_ensure_reuses_a_current_build_and_default_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("GSPO_HOME", str(tmp_path / "home"))
+    out = tmp_path / "home" / "tiny-qwen3"
+    make_tiny_model(None, evaluate=False, **SMALL)  # the default directory under $GSPO_HOME
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(**SMALL) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp  # same recipe: not rebuilt
+    ensure_tiny_model(**{**SMALL, "sft_steps": 3})
+    assert read_manifest(out)["spec"]["sft_steps"] == 3  # another recipe: rebuilt
+
+
+def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="not a tiny-model directory"):
+        make_tiny_model(tmp_path / "mine", **SMALL)

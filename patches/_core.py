@@ -38,16 +38,20 @@ def torch_npu() -> Any:
 
 
 def require_torch_npu() -> Any:
-    """torch_npu, or a one-line UserError saying how to get it (apply time, so failures are early and clear)."""
-    try:
-        return torch_npu()
-    except Exception as exc:  # a CANN-less wheel raises RuntimeError/ImportError/OSError, not only ImportError
-        first = (str(exc).strip().splitlines() or [""])[0]
+    """torch_npu, or a one-line UserError saying how to get it (apply time, so failures are early and clear).
+
+    The guarded import itself is the device layer's (ImportError / OSError / RuntimeError of a CANN-less wheel).
+    """
+    from gspo_ascend.device.detect import import_torch_npu
+
+    module, reason = import_torch_npu()
+    if module is None:
         raise UserError(
-            f"NPU patches need torch_npu, which failed to import ({type(exc).__name__}: {first}); on an Atlas host "
-            "install CANN + torch_npu and `source /usr/local/Ascend/ascend-toolkit/set_env.sh` "
-            "(docs/install-npu.md), or install the CPU shim (GSPO_DEVICE_SHIM=1)"
-        ) from None
+            f"NPU patches need torch_npu: {reason}; on an Atlas host install CANN + torch_npu and "
+            "`source /usr/local/Ascend/ascend-toolkit/set_env.sh` (docs/install-npu.md), or install the CPU shim "
+            "(GSPO_DEVICE_SHIM=1)"
+        )
+    return module
 
 
 def npu_description(module: Any) -> str:

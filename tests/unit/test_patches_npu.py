@@ -358,12 +358,19 @@ def test_transformers_outside_the_gates_skips_every_point(npu, monkeypatch):
 
 @pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'torch_npu'"), RuntimeError("libhccl.so")])
 def test_missing_torch_npu_is_a_user_error(npu, monkeypatch, error):
-    from gspo_ascend.patches import _core
+    import importlib
 
-    def broken():
-        raise error
+    from gspo_ascend.device import detect
 
-    monkeypatch.setattr(_core, "torch_npu", broken)
+    real_import = importlib.import_module
+
+    def broken(name, *args):
+        if name == "torch_npu":
+            raise error
+        return real_import(name, *args)
+
+    # the guarded import lives in the device layer; break it there, as a CANN-less wheel would
+    monkeypatch.setattr(detect.importlib, "import_module", broken)
     with pytest.raises(UserError, match="NPU patches need torch_npu"):
         apply_npu_patches("qwen3")
 

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 from .errors import UserError
 
+DEFAULT_TRAIN_CONFIG = "tiny_gspo.yaml"  # the embedded CPU default: GSPO on the tiny model and arithmetic task
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (sections: model, data, rollout, actor, algorithm, trainer)")
@@ -23,6 +25,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from . import config
 
+    _default_train_config(args)
     # --dry-run validates through the preflight, which reports every problem instead of the first
     cfg = config.load_config(args.config, args.overrides, validate=not args.dry_run)
     if args.print_config:
@@ -45,10 +48,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UserError(f"preflight found {len(failed)} problem(s) in the config (listed above on stdout)")
         print(f"config ok; device backend: {backend.name}{' (CPU shim)' if backend.emulated else ''}")
         return 0
-    raise UserError(
-        "the training loop is not part of this build yet (tracked as issue #5); "
-        "use --print-config or --dry-run to check a config"
-    )
+    from .trainer import train
+
+    train(cfg)
+    return 0
+
+
+def _default_train_config(args: argparse.Namespace) -> None:
+    """`gspo-ascend train` without --config runs the embedded CPU default (configs/tiny_gspo.yaml)."""
+    if args.config is None:
+        from importlib.resources import files
+
+        args.config = str(files("gspo_ascend.configs") / DEFAULT_TRAIN_CONFIG)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -89,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("--dry-run", action="store_true", help="validate the config and the device, run nothing")
     p.set_defaults(func=cmd_train)
+
+    from .plot import add_plot_args, main_plot
+
+    p = sub.add_parser("plot", help="PNG curves (reward, clip fraction, response length) of a run directory")
+    add_plot_args(p)
+    p.set_defaults(func=main_plot)
 
     p = sub.add_parser("doctor", help="check this machine (or a planned stack) and, with --config, the config")
     _add_config_args(p)

@@ -80,6 +80,7 @@ class ActorConfig:
     use_distributed_optimizer: bool = True
     grad_clip: float = 1.0
     recompute: Literal["none", "selective", "full"] = "none"
+    use_remove_padding: bool = True  # packed (padding-free) forward passes; False = right-padded batches
     offload: bool = False  # params/grads/optimizer to host between phases when colocated with rollout
     use_mc2: bool = False  # Ascend MC2 fused matmul+collective (MindSpeed --use-ascend-mc2): TP 2/4/8 + SP, dense
 
@@ -102,6 +103,15 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RewardConfig:
+    reward_fn: str | None = None  # None = math-verify on the last \\boxed{}; or "module:function" (verl signature)
+    timeout_s: float = 5.0  # per sample; a timeout scores 0 and is counted
+    num_workers: int = 1  # scoring processes (0 = in the driver process)
+    overlong_buffer_length: int = 0  # DAPO overlong penalty; 0 = off
+    overlong_penalty_factor: float = 1.0
+
+
+@dataclass
 class TrainerConfig:
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     nnodes: int = 1
@@ -109,10 +119,13 @@ class TrainerConfig:
     total_steps: int = 20
     output_dir: str = "runs/gspo"
     save_freq: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int | None = None  # committed checkpoints to keep (older ones pruned); null = all
     resume: str = "auto"  # auto | never | <checkpoint path>
     seed: int = 0
     compile: Literal["auto", "on", "off"] = "auto"  # auto = off on NPU (graph mode is not usable for RL there)
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])  # + "wandb"
+    project_name: str = "gspo-ascend"  # wandb project
+    experiment_name: str = ""  # wandb run name; "" = the output directory's name
 
 
 @dataclass
@@ -122,6 +135,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -358,7 +372,7 @@ def _positive_sizes(cfg: Config) -> Iterable[str]:
     for key in _POSITIVE:
         if get(cfg, key) <= 0:
             yield f"config key '{key}' must be > 0, got {get(cfg, key)}"
-    for key in ("actor.micro_batch_size", "actor.max_tokens_per_micro_batch"):
+    for key in ("actor.micro_batch_size", "actor.max_tokens_per_micro_batch", "trainer.keep_last"):
         if get(cfg, key) is not None and get(cfg, key) <= 0:
             yield f"config key '{key}' must be > 0 or null, got {get(cfg, key)}"
     if cfg.trainer.save_freq < 0:
@@ -392,3 +406,32 @@ def _minibatches(cfg: Config) -> Iterable[str]:
         )
     if cfg.actor.micro_batch_size is None and cfg.actor.max_tokens_per_micro_batch is None:
         yield "set 'actor.micro_batch_size' or 'actor.max_tokens_per_micro_batch' (one of them decides micro-batches)"
+
+
+def data_parallel_size(cfg: Config) -> int:
+    """Ranks that each train on a different shard of the batch: all of them for fsdp; for megatron, the
+    world divided by the model-parallel product (expert parallelism folds into it, see the doctor)."""
+    world = cfg.trainer.nnodes * cfg.trainer.devices_per_node
+    if cfg.actor.engine == "megatron":
+        a = cfg.actor
+        return max(1, world // (a.tensor_parallel_size * a.pipeline_parallel_size * a.context_parallel_size))
+    return world
+
+
+@validator
+def _data_parallel_split(cfg: Config) -> Iterable[str]:
+    """Every rank must get the same number of whole prompts and of samples per minibatch."""
+    dp, k = data_parallel_size(cfg), cfg.algorithm.minibatches_per_rollout
+    tbs, n = cfg.data.train_batch_size, cfg.rollout.n
+    if min(dp, tbs, n) <= 0 or not k or k <= 0:
+        return
+    if tbs % dp:
+        yield (
+            f"config key 'data.train_batch_size' ({tbs}) must be a multiple of the data-parallel size ({dp} = "
+            "trainer.nnodes x trainer.devices_per_node / model parallelism); change one of them"
+        )
+    elif (tbs * n) % (k * dp):
+        yield (
+            f"'data.train_batch_size' x 'rollout.n' ({tbs} x {n} = {tbs * n} samples) must divide into "
+            f"algorithm.minibatches_per_rollout ({k}) x data-parallel size ({dp}) equal parts; change one of them"
+        )

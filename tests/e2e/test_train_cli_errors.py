@@ -1,0 +1,101 @@
+"""Bad input to `gspo-ascend train`: one line naming the file/key and the fix, exit code 2, no traceback, and
+nothing started (these all fail in the host-side preparation, before Ray or any engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gspo_ascend.cli import main
+from gspo_ascend.tiny import ensure_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return str(ensure_tiny_model())
+
+
+def run_main(capsys, *args: str) -> tuple[int, str]:
+    code = main(["train", *args])
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def assert_one_line(code: int, err: str, *fragments: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_missing_dataset_file(capsys, tmp_path, tiny):
+    missing = tmp_path / "nope.parquet"
+    code, err = run_main(
+        capsys, f"model.path={tiny}", f"data.train_files=[{missing}]", f"trainer.output_dir={tmp_path}"
+    )
+    assert_one_line(code, err, str(missing), "does not exist", "data.train_files")
+
+
+def test_dataset_without_prompt_column(capsys, tmp_path, tiny):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}])
+    code, err = run_main(capsys, f"model.path={tiny}", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}")
+    assert_one_line(code, err, "d.jsonl", "no prompt column 'prompt'", "data.prompt_key")
+
+
+def test_empty_dataset(capsys, tmp_path, tiny):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    code, err = run_main(capsys, f"model.path={tiny}", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}")
+    assert_one_line(code, err, "empty.jsonl", "empty")
+
+
+def test_missing_model_path(capsys, tmp_path):
+    code, err = run_main(capsys, f"model.path={tmp_path / 'no-model'}", f"trainer.output_dir={tmp_path}")
+    assert_one_line(code, err, "model.path", "no-model", "does not exist")
+
+
+def test_unknown_reward_function(capsys, tmp_path):
+    code, err = run_main(capsys, "reward.reward_fn=no_such_module_xyz:score", f"trainer.output_dir={tmp_path}")
+    assert_one_line(code, err, "no_such_module_xyz")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["trainer.devices_per_node=3"], ["data.train_batch_size", "data-parallel size (3"]),
+        (
+            [
+                "data.train_batch_size=2",
+                "rollout.n=3",
+                "algorithm.minibatches_per_rollout=2",
+                "trainer.devices_per_node=2",
+            ],
+            ["rollout.n", "minibatches_per_rollout (2)", "data-parallel size (2)"],
+        ),
+        (["algorithm.minibatches_per_rollout=5"], ["algorithm.minibatches_per_rollout", "divide"]),
+    ],
+)
+def test_batch_sizes_that_do_not_divide(capsys, tmp_path, overrides, fragments):
+    code, err = run_main(capsys, *overrides, f"trainer.output_dir={tmp_path}")
+    assert_one_line(code, err, *fragments)
+
+
+@pytest.mark.parametrize("key", ["data.max_prompt_length", "data.max_response_length"])
+@pytest.mark.parametrize("value", [0, -4])
+def test_non_positive_lengths(capsys, tmp_path, key, value):
+    code, err = run_main(capsys, f"{key}={value}", f"trainer.output_dir={tmp_path}")
+    assert_one_line(code, err, key, "must be > 0")
+
+
+def test_nothing_written_on_bad_input(capsys, tmp_path):
+    out = tmp_path / "run"
+    code, _ = run_main(capsys, "data.max_response_length=0", f"trainer.output_dir={out}")
+    assert code == 2 and not out.exists()

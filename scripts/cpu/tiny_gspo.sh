@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GSPO on the embedded tiny Qwen3 (427k parameters) on this machine's CPU: the miniature of the cluster scripts,
+# same launcher and steps (a one-node Ray cluster, `ray job submit` with env/cpu/cpu_env.yaml), no accelerator.
+# Config: configs/tiny_gspo.yaml; the tiny model and the synthetic arithmetic data are built on first use.
+#   run:   bash scripts/cpu/tiny_gspo.sh [key=value ...]      (needs Ray's job server: pip install 'ray[default]')
+#   check: bash scripts/cpu/tiny_gspo.sh --dry-run
+# Variables and what every step does: docs/launch-scripts.md.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../lib/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/launch.sh"
+
+RUN_NAME=cpu-tiny-gspo
+DEVICE=cpu
+HARDWARE=cpu
+RUNTIME_ENV=env/cpu/cpu_env.yaml
+HOST_ENV=""           # a CPU host needs no vendor environment
+MAKE_MODEL=(make-tiny-model)              # built on first use, where the trainer's own default puts it
+MAKE_DATA=(prepare-data --kind synthetic) # the synthetic arithmetic task
+: "${CONFIG:=$REPO/configs/tiny_gspo.yaml}"
+: "${MODEL_PATH:=${GSPO_HOME:-$HOME/.cache/gspo-ascend}/tiny-qwen3}"
+: "${DATA_DIR:=${GSPO_HOME:-$HOME/.cache/gspo-ascend}/data/synthetic}"
+: "${NNODES:=1}"
+: "${DEVICES_PER_NODE:=1}"
+
+launch "$@"

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GSPO on dense Qwen2.5-3B on 1 x Atlas 800T A2 (8 x Ascend 910B, 64 GB each): FSDP engine for training,
+# vllm-ascend for rollout. Config: configs/qwen25_3b_gspo.yaml (FSDP over 8, rollout TP 2, 16 samples per prompt).
+#   run:   MODEL_PATH=/models/Qwen2.5-3B DATA_DIR=data/math bash scripts/npu/qwen25_3b_gspo.sh [key=value ...]
+#   check: bash scripts/npu/qwen25_3b_gspo.sh --dry-run   (config, preflight, memory plan, commands; no hardware)
+# More nodes: NNODES=2 on the head and NODE_RANK=1 HEAD_ADDR=<head ip> on the second node.
+# Variables and what every step does: docs/launch-scripts.md. Same shape as scripts/gpu/qwen25_3b_gspo.sh.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../lib/launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/launch.sh"
+
+RUN_NAME=npu-qwen2.5-3b-gspo
+DEVICE=npu
+HARDWARE=atlas-800t-a2
+RUNTIME_ENV=env/npu/mc2_env.yaml
+HOST_ENV=env/npu/atlas_800t_a2.sh
+: "${CONFIG:=$REPO/configs/qwen25_3b_gspo.yaml}"
+: "${DATA_DIR:=$REPO/data/math}"
+: "${NNODES:=1}"
+: "${DEVICES_PER_NODE:=8}"
+
+launch "$@"

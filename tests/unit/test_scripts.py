@@ -1,0 +1,425 @@
+"""The launch scripts (scripts/{npu,gpu,cpu}/*.sh, shared logic in scripts/lib/) and the pinned requirements.
+
+Every script's --dry-run runs on this CPU machine, prints the resolved config and the commands it would run and
+starts nothing; the printed config is then re-checked in-process: it passes the preflight and the memory planner
+says "fits" on the script's target hardware. NPU and GPU scripts differ only in their hardware names. The
+requirements files agree with the doctor's version matrix (checked with the doctor's own package checks). Slow
+tests run the Ray lifecycle for real and check that the launcher stops exactly what it started, and (where Ray's
+job server is installed, `ray[default]`) run the CPU script end to end through `ray job submit`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo_ascend import config
+from gspo_ascend.doctor import matrix, packages
+from gspo_ascend.doctor.hardware import profile
+from gspo_ascend.doctor.modelspec import load_spec
+from gspo_ascend.doctor.planner import plan
+from gspo_ascend.doctor.preflight import failures, preflight
+from gspo_ascend.doctor.versions import matches, normalize_name
+from tests.conftest import REPO
+
+MODELS = REPO / "tests/fixtures/models"
+MOE, DENSE = MODELS / "qwen3-30b-a3b", MODELS / "qwen2.5-3b"
+
+# script -> (trainer.device, planner hardware, runtime env, fixture model; None = the embedded tiny model)
+SCRIPTS = {
+    "scripts/npu/qwen3_30b_gspo.sh": ("npu", "atlas-800t-a2", "env/npu/mc2_env.yaml", MOE),
+    "scripts/gpu/qwen3_30b_gspo.sh": ("cuda", "h20", "env/gpu/h20_env.yaml", MOE),
+    "scripts/npu/qwen25_3b_gspo.sh": ("npu", "atlas-800t-a2", "env/npu/mc2_env.yaml", DENSE),
+    "scripts/gpu/qwen25_3b_gspo.sh": ("cuda", "h20", "env/gpu/h20_env.yaml", DENSE),
+    "scripts/cpu/tiny_gspo.sh": ("cpu", "cpu", "env/cpu/cpu_env.yaml", None),
+}
+PAIRS = [
+    ("scripts/npu/qwen3_30b_gspo.sh", "scripts/gpu/qwen3_30b_gspo.sh"),
+    ("scripts/npu/qwen25_3b_gspo.sh", "scripts/gpu/qwen25_3b_gspo.sh"),
+]
+HARDWARE_NAMES = {"RUN_NAME", "DEVICE", "HARDWARE", "RUNTIME_ENV", "HOST_ENV"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def launch(script: str, *args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """Run a launch script the way a user does, with a clean set of launcher variables."""
+    base = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "HEAD_ADDR", "MODEL_PATH")}
+    base.update(PYTHON=sys.executable, **env)
+    return subprocess.run(
+        ["bash", str(REPO / script), *args], capture_output=True, text=True, env=base, cwd=cwd or REPO, timeout=240
+    )
+
+
+def printed_config(stdout: str) -> dict:
+    """The YAML between the '== resolved config' and the '== preflight' headers."""
+    body = stdout.split("== resolved config", 1)[1].split("\n", 1)[1].split("\n== preflight", 1)[0]
+    return yaml.safe_load(body)
+
+
+def commands(stdout: str) -> list[str]:
+    return [line[2:] for line in stdout.split("\n== commands", 1)[1].splitlines() if line.startswith("+ ")]
+
+
+def model_for(script: str, tiny: Path) -> Path:
+    return SCRIPTS[script][3] or tiny
+
+
+# ----------------------------------------------------------------------------------------------- dry runs
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_dry_run_resolves_checks_and_starts_nothing(script, tiny_model, tmp_path):
+    device, hardware, runtime_env, _ = SCRIPTS[script]
+    out, model = tmp_path / "out", model_for(script, tiny_model)
+    proc = launch(script, "--dry-run", MODEL_PATH=str(model), OUTPUT_DIR=str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: fits" in proc.stdout
+    cmds = commands(proc.stdout)
+    assert any(c.split()[1:4] == ["start", "--head", "--port=6379"] and "--block" in c.split() for c in cmds), cmds
+    (submit,) = [c for c in cmds if " job submit " in c]
+    assert f"--runtime-env={runtime_env}" in submit and "-m gspo_ascend.cli train --config" in submit
+    assert f"trainer.device={device}" in submit
+    assert "dry run complete: nothing was started" in proc.stdout
+    assert not out.exists()  # nothing written, not even the Ray log directory
+
+    # independent of the script's own plan call: rebuild the printed config in-process, preflight and plan it
+    cfg = config.from_dict(printed_config(proc.stdout))
+    assert (cfg.trainer.device, cfg.trainer.output_dir, cfg.model.path) == (device, str(out), str(model))
+    assert [c.finding for c in failures(preflight(cfg))] == []
+    per_node = cfg.trainer.devices_per_node
+    result = plan(cfg, load_spec(cfg.model.path), profile(hardware, per_node))
+    assert result.verdict == "fits", (result.train_verdict, result.rollout_verdict)
+    world = {"scripts/npu/qwen3_30b_gspo.sh": 16, "scripts/gpu/qwen3_30b_gspo.sh": 16}.get(script, per_node)
+    assert cfg.trainer.nnodes * per_node == world
+
+
+@pytest.mark.parametrize(
+    "script, nnodes, overrides, verdict",
+    [
+        ("scripts/npu/qwen3_30b_gspo.sh", "4", ["actor.pipeline_parallel_size=4", "data.train_batch_size=512"], "fits"),
+        ("scripts/gpu/qwen3_30b_gspo.sh", "4", ["actor.pipeline_parallel_size=4", "data.train_batch_size=512"], "fits"),
+        ("scripts/npu/qwen3_30b_gspo.sh", "1", ["actor.expert_parallel_size=4"], "tight"),
+        ("scripts/gpu/qwen3_30b_gspo.sh", "1", ["actor.expert_parallel_size=4"], "fits"),
+    ],
+)
+def test_documented_node_variants(script, nnodes, overrides, verdict):
+    proc = launch(script, "--dry-run", *overrides, MODEL_PATH=str(MOE), NNODES=nnodes)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"verdict: {verdict}" in proc.stdout
+    assert ("warning: the plan is tight" in proc.stdout) == (verdict == "tight")
+    assert printed_config(proc.stdout)["trainer"]["nnodes"] == int(nnodes)
+    assert f"wait until {nnodes} node(s) with {int(nnodes) * 8} " in proc.stdout
+
+
+def test_layout_that_does_not_fit_the_node_count_stops_before_ray():
+    # the field failure: a 4-node layout (EP 8 x PP 2 = 16 ranks per fold) launched on 1 node
+    proc = launch("scripts/npu/qwen3_30b_gspo.sh", "--dry-run", MODEL_PATH=str(MOE), NNODES="1")
+    assert proc.returncode == 2
+    assert "preflight:moe-folding" in proc.stderr and "nothing was started" in proc.stderr
+    assert "== commands" not in proc.stdout
+
+
+def test_worker_dry_run_joins_the_head_and_submits_nothing():
+    proc = launch("scripts/gpu/qwen3_30b_gspo.sh", "--dry-run", NODE_RANK="1", HEAD_ADDR="10.1.2.3", RAY_PORT="7000")
+    assert proc.returncode == 0, proc.stderr
+    cmds = commands(proc.stdout)
+    assert cmds[0] == "source env/gpu/h20.sh"
+    assert any(" start --address=10.1.2.3:7000 " in f" {c} " and "--num-gpus=8" in c for c in cmds), cmds
+    assert not any("job submit" in c for c in cmds) and "== resolved config" not in proc.stdout
+
+
+def test_relative_paths_become_absolute_from_the_launch_directory(tmp_path):
+    (tmp_path / "m").symlink_to(DENSE)
+    proc = launch(
+        "scripts/npu/qwen25_3b_gspo.sh", "--dry-run", cwd=tmp_path, MODEL_PATH="m", TRAIN_FILES="d/a.parquet,b.parquet"
+    )
+    assert proc.returncode == 0, proc.stderr
+    cfg = printed_config(proc.stdout)
+    assert cfg["model"]["path"] == str(tmp_path / "m")
+    assert cfg["data"]["train_files"] == [str(tmp_path / "d/a.parquet"), str(tmp_path / "b.parquet")]
+    assert f"{tmp_path}/d/a.parquet (gspo-ascend prepare-data writes it)" in proc.stdout  # reported, not fatal
+
+
+@pytest.mark.parametrize(
+    "args, env, fragment",
+    [
+        (["model.path=/x"], {}, "sets model.path from MODEL_PATH"),
+        (["trainer.nnodes=4"], {}, "sets trainer.nnodes from NNODES"),
+        (["--frobnicate"], {}, "unknown argument '--frobnicate'"),
+        ([], {"NODE_RANK": "2", "NNODES": "2"}, "NODE_RANK=2 must be in 0..1"),
+        ([], {"NODE_RANK": "1", "NNODES": "2"}, "set HEAD_ADDR"),
+        ([], {"NNODES": "two"}, "NNODES='two' must be a non-negative integer"),
+        (["algorithm.filter_groups.enable=true"], {}, "unknown config key 'algorithm.filter_groups"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, env, fragment):
+    proc = launch("scripts/npu/qwen3_30b_gspo.sh", "--dry-run", *args, MODEL_PATH=str(MOE), **env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert fragment in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_lists_the_variables():
+    proc = launch("scripts/cpu/tiny_gspo.sh", "--help")
+    assert proc.returncode == 0
+    for name in ("MODEL_PATH", "DATA_DIR", "NNODES", "NODE_RANK", "HEAD_ADDR", "NIC", "--dry-run"):
+        assert name in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------- shape
+
+
+def code_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("npu, gpu", PAIRS)
+def test_npu_and_gpu_scripts_differ_only_in_hardware_names(npu, gpu):
+    a, b = code_lines(REPO / npu), code_lines(REPO / gpu)
+    assert len(a) == len(b)
+    differing = [(x, y) for x, y in zip(a, b, strict=True) if x != y]
+    assert {x.split("=", 1)[0] for x, _ in differing} == HARDWARE_NAMES
+    assert all(x.split("=", 1)[0] == y.split("=", 1)[0] for x, y in differing)
+
+
+def test_no_script_kills_what_it_did_not_start():
+    files = sorted((REPO / "scripts").rglob("*.sh")) + sorted((REPO / "env").rglob("*.sh"))
+    assert len(files) >= 9
+    banned = re.compile(r"\bpkill\b|\bkillall\b|\bray(_cli|\")?\s+stop\b|\$RAY_BIN\"?\s+stop\b|kill\s+-9\s+-1")
+    for path in files:
+        for line in code_lines(path):
+            assert not banned.search(line), f"{path.relative_to(REPO)}: {line}"
+
+
+@pytest.mark.skipif(
+    shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)"
+)
+def test_shellcheck_clean():
+    launch_files = [p for d in ("npu", "gpu", "cpu", "lib") for p in sorted((REPO / "scripts" / d).glob("*.sh"))]
+    files = [str(p.relative_to(REPO)) for p in launch_files + sorted(REPO.glob("env/*/*.sh"))]
+    proc = subprocess.run(["shellcheck", "-x", *files], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------- requirements
+
+_PIN = re.compile(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(==|>=)\s*([^\s;#]+)")
+_NOTED = re.compile(r"^#\s+@(system|source)\s+([A-Za-z0-9_.\-]+)==(\S+)")
+
+
+def requirement_pins(path: Path) -> dict[str, str]:
+    """name -> version: `==` pins, `>=` floors (taken as the version), and the `# @system` / `# @source` lines."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        noted = _NOTED.match(line)
+        if noted:
+            pins[normalize_name(noted[2])] = noted[3]
+            continue
+        pin = _PIN.match(line.strip())
+        if pin:
+            pins[normalize_name(pin[1])] = pin[4]
+    return pins
+
+
+def test_requirements_npu_is_the_matrix_stack():
+    pins = requirement_pins(REPO / "requirements-npu.txt")
+    (stack,) = [s for s in matrix.STACKS if s.platform == "npu"]
+    for package, spec in stack.pins:
+        assert package in pins and matches(pins[package], spec), (package, pins.get(package), spec)
+    assert pins["mindspeed"] == "2.2.0" and pins["megatron-core"] == "0.12.1" and pins["transformers"] == "4.57.6"
+    checks = (
+        packages.check_torch_npu_pair(pins)
+        + packages.check_vllm_ascend(pins)
+        + packages.check_mindspeed(pins)
+        + packages.check_known_bad(pins, "npu")
+        + packages.check_requirements(pins, "npu")
+        + packages.check_stack(pins, "npu")
+    )
+    assert [(c.name, c.finding) for c in checks if c.status != "ok"] == []
+    assert {c.name for c in checks} == {"compat-cann", "compat-vllm-ascend", "compat-mindspeed", "stack"}
+
+
+def test_requirements_gpu_share_vllm_and_megatron_and_satisfy_the_matrix():
+    npu, gpu = requirement_pins(REPO / "requirements-npu.txt"), requirement_pins(REPO / "requirements-gpu.txt")
+    for shared in ("vllm", "megatron-core", "transformers", "mbridge", "ray", "math-verify", "einops"):
+        assert gpu[shared] == npu[shared], shared
+    assert not {"torch-npu", "vllm-ascend", "mindspeed", "cann"} & set(gpu)
+    checks = packages.check_known_bad(gpu, "cuda") + packages.check_requirements(gpu, "cuda")
+    checks += packages.check_stack(gpu, "cuda")  # empty until the matrix names a CUDA stack; then it must match
+    assert [(c.name, c.finding) for c in checks if c.status != "ok"] == []
+    # the rule that makes the pair consistent: vLLM 0.11 CUDA wheels need torch 2.8.0
+    assert packages.check_requirements({**gpu, "torch": "2.7.1"}, "cuda")[0].name == "requires-torch"
+
+
+def test_requirements_ray_has_the_job_server_extra():
+    for name in ("requirements-npu.txt", "requirements-gpu.txt"):
+        assert re.search(r"^ray\[default\]==", (REPO / name).read_text(), re.M), name
+
+
+# ----------------------------------------------------------------------------------------------- real Ray
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+HARNESS = """
+set -euo pipefail
+source scripts/lib/launch.sh
+DRY_RUN=0 NNODES=1 DEVICES_PER_NODE=1 HEAD_ADDR=127.0.0.1 RAY_PORT=$1 DASHBOARD_PORT=$2 WAIT_TIMEOUT=180
+RAY_BIN=$(dirname "$PYTHON")/ray RAY_RESOURCE=CPU RAY_LOG=$RAY_TMPDIR/launch.log JOB_ADDRESS=http://127.0.0.1:$2
+RUN_NAME=test
+trap on_exit EXIT
+trap 'exit 143' TERM
+ray_auth
+ray_head_up
+ray_wait_nodes
+echo "READY pid=${RAY_STARTED_PID:-none}"
+while :; do sleep 1; done  # short sleeps: the TERM trap runs within a second, and no child outlives the launcher
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line.strip()
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"no '{prefix}' line; exit {proc.poll()}")
+
+
+@pytest.mark.slow
+def test_launcher_stops_exactly_what_it_started():
+    """Launcher A starts a Ray head; launcher B finds it, uses it and leaves it running; an unrelated Python
+    process survives both; on SIGTERM, A stops its Ray node (every process under its temp dir) and its marker."""
+    tmp = Path(tempfile.mkdtemp(prefix="gr", dir="/tmp"))  # short: Ray's unix sockets live under it
+    gcs, dashboard, client, agent = free_ports(4)
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "RAY_TMPDIR": str(tmp),
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),  # no ~/.ray/auth_token is written
+        "RAY_POLL_S": "1",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # Ray's SIGTERM drain (for Serve) would add 30 s
+        "RAY_START_ARGS": f"--include-dashboard=false --num-cpus=1 --ray-client-server-port={client} "
+        f"--dashboard-agent-listen-port={agent}",
+    }
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    head = subprocess.Popen(
+        ["bash", "-c", HARNESS, "harness", str(gcs), str(dashboard)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        ready = wait_for_line(head, "READY", 200)
+        ray_pid = int(ready.split("pid=")[1])
+        assert alive(ray_pid) and processes_mentioning(str(tmp))
+        assert (tmp / "ray_current_cluster").is_file()
+        second = subprocess.run(
+            ["bash", "-c", HARNESS.replace("while :; do sleep 1; done", ""), "harness", str(gcs), str(dashboard)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "already answers" in second.stdout and "READY pid=none" in second.stdout
+        assert "stopping the Ray node" not in second.stdout and alive(ray_pid)  # B left A's cluster running
+        head.send_signal(signal.SIGTERM)
+        rest = head.communicate(timeout=120)[0]
+        assert head.returncode == 143, rest
+        assert f"stopping the Ray node this launcher started (PID {ray_pid})" in rest
+        assert not alive(ray_pid)
+        deadline = time.monotonic() + 30
+        while processes_mentioning(str(tmp)) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert processes_mentioning(str(tmp)) == []
+        assert not (tmp / "ray_current_cluster").exists()
+        assert bystander.poll() is None  # an unrelated python process survives (no `pkill python`)
+    finally:
+        for proc in (head, bystander):
+            if proc.poll() is None:
+                proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def job_server_installed() -> bool:
+    proc = subprocess.run([sys.executable, "-c", "import ray.dashboard.optional_deps"], capture_output=True)
+    return proc.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not job_server_installed(), reason="Ray's job server needs ray[default] (not in the CPU lock)")
+def test_cpu_script_trains_through_ray_job_submit(tmp_path):
+    """The whole launch for real on CPU: Ray head, runtime_env upload, the trainer joining through RAY_ADDRESS,
+    one GSPO step, the job's status as the exit code, and only our Ray node stopped afterwards."""
+    tmp = Path(tempfile.mkdtemp(prefix="gr", dir="/tmp"))
+    gcs, dashboard, client, agent = free_ports(4)
+    env = {
+        "RAY_TMPDIR": str(tmp),
+        "RAY_PORT": str(gcs),
+        "DASHBOARD_PORT": str(dashboard),
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_POLL_S": "1",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        "RAY_START_ARGS": f"--num-cpus=2 --ray-client-server-port={client} --dashboard-agent-listen-port={agent}",
+        "OUTPUT_DIR": str(tmp_path / "run"),
+    }
+    try:
+        proc = launch("scripts/cpu/tiny_gspo.sh", "trainer.total_steps=1", "trainer.save_freq=0", **env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "step 1/1" in proc.stdout and "succeeded" in proc.stdout + proc.stderr
+        assert (tmp_path / "run/metrics.jsonl").is_file()
+        assert "stopping the Ray node this launcher started" in proc.stdout
+        assert processes_mentioning(str(tmp)) == [] and not (tmp / "ray_current_cluster").exists()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

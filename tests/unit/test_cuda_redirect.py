@@ -96,3 +96,20 @@ def test_uninstall_restores_originals():
     assert not torch.cuda.is_initialized()
     with pytest.raises((AssertionError, RuntimeError)):  # stock CPU torch: "Torch not compiled with CUDA"
         torch.empty(3, device="cuda")
+
+
+def test_device_context_still_works_after_install_in_a_fresh_interpreter():
+    """torch caches the factory set of `with torch.device(...)` on first use; if the redirection is installed
+    first, the context must still place factories (HF models are built under `torch.device("meta")`)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from gspo_ascend.device import shim\n"
+        "shim.install(npu=False, cuda=True)\n"
+        "with torch.device('meta'):\n"
+        "    print(torch.ones(3).device, torch.arange(4).device)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["meta", "meta"]

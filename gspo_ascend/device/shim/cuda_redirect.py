@@ -412,6 +412,13 @@ def install_cuda_redirect() -> None:
     if _installed:
         return
     _installed = True
+    # torch's device context (`with torch.device("meta")`) recognises factory functions by identity in a set
+    # built and cached on first use; built after our wrappers replace the factories, it would miss the
+    # originals and the context would be silently ignored (transformers then builds HF models with garbage
+    # RoPE buffers). Building it now keeps the originals in it.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     _install_device_api()
     _install_rng()
     _install_streams()

@@ -1,0 +1,871 @@
+"""The ``megatron`` train engine: megatron-core's GPTModel (Qwen2 / Qwen3 / Qwen3-MoE) loaded from a Hugging Face
+checkpoint through mbridge (:mod:`.megatron_bridge`), with TP / PP / EP / ETP from ``actor.*``, megatron's DDP
+and distributed optimizer, and forward/backward through megatron's pipeline schedules.
+
+Same contract and semantics as the fsdp engine (:mod:`.fsdp`): per minibatch the response-token and sequence
+counts are summed over the data-parallel group and passed to the loss as ``global_tokens`` / ``global_seqs``;
+a non-finite loss or gradient norm on any rank skips that optimizer and warm-up step
+(``actor/nan_steps_skipped``); the warm-up is fsdp's ``warmup_factor``; AdamW decays every parameter (megatron's
+default would exempt norms and biases); metric names are fsdp's. How the exact global normalisation survives
+megatron: ``calculate_per_token_loss`` is on, so the schedule does not divide the loss by the number of
+micro-batches and DDP sums (not averages) gradients over data-parallel ranks; our finalize hook passes no token
+count, so nothing rescales them. Every micro-batch loss is already divided by the global counts, so the summed
+gradient is exactly the gradient of the global minibatch loss, at any TP / PP / DP / micro-batching.
+
+Data. Like fsdp, every rank is handed its own shard (the driver splits the batch over all ranks). The ranks of
+one model-parallel group (TP x PP) must run the same samples, so the engine all-gathers their shards (minibatch
+j of the group = the ranks' minibatch j, in group order) and each rank returns its own rows. Micro-batches are
+right-padded [b, S] with a causal mask (right padding never reaches earlier positions), because packed
+sequences need Transformer Engine's THD attention: ``actor.use_remove_padding`` is ignored here. Micro-batch
+counts are equalised over all ranks with zero-weight dummy passes (MoE expert-parallel all-to-alls are
+collectives across data-parallel ranks).
+
+Log-probs are vocab-parallel: the LM head's output stays sharded over TP and ``log_softmax(logits / T)[y]`` comes
+from megatron's ``vocab_parallel_cross_entropy`` (TP all-reduces of the max, the target logit and the sum of
+exponentials), computed only at response positions; no rank ever holds the full-vocabulary logits. Only the last
+pipeline stage computes them; they are broadcast to the other stages.
+
+How we differ from verl's megatron actor: global-count normalisation instead of per-micro-batch means; the skip
+rule above (verl steps on a finite norm only); the driver needs no model-parallel-aware dispatch (the engine
+gathers); weights are exported under the exact HF ``state_dict`` names (fused experts in transformers 5), not
+mbridge's checkpoint names; the CPU path runs megatron's local layer spec through our CUDA->CPU shim.
+
+Device paths. CPU (and the emulated NPU): the shim's CUDA redirection is installed before megatron.core is
+imported; the local layer spec; no sequence parallelism (impossible with the local spec on CPU), so no MoE with
+TP > 1. CUDA: the Transformer Engine spec when TE is installed, the local spec otherwise. NPU:
+``mindspeed.megatron_adaptor`` is imported first and MindSpeed's fused options are passed where the
+TransformerConfig accepts them (:func:`_mindspeed_options`); that path cannot be run here and is untested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import importlib
+import json
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_ascend.algorithms import agg_loss, count_tokens_and_seqs, get_policy_loss, kl_penalty
+from gspo_ascend.config import Config
+from gspo_ascend.device import Backend
+from gspo_ascend.engines import megatron_bridge as mb
+from gspo_ascend.engines.base import SampleBatch
+from gspo_ascend.engines.fsdp import (
+    _combine,
+    _ensure_process_group,
+    _Minibatch,
+    _plan_shards,
+    _select_device,
+    _shard_file_names,
+    warmup_factor,
+)
+from gspo_ascend.engines.logprobs import response_lengths
+from gspo_ascend.engines.microbatch import micro_batches
+from gspo_ascend.errors import ConfigError, UserError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CHECKPOINT_FORMAT = 1
+
+
+# ----------------------------------------------------------------------------------------------- set-up helpers
+
+
+def _import_megatron(backend: Backend) -> None:
+    """What must happen before ``import megatron.core`` on this device."""
+    if backend.torch_device_type == "cpu":  # CPU and the emulated NPU: megatron's CUDA calls -> CPU
+        from gspo_ascend.device import shim
+
+        mb.prime_device_context()
+        shim.install(npu=False, cuda=True)
+    elif backend.name == "npu":
+        try:  # patches megatron for Ascend; must precede every megatron import
+            importlib.import_module("mindspeed.megatron_adaptor")
+        except ImportError as exc:
+            raise UserError(
+                f"actor.engine=megatron on NPU needs MindSpeed ({exc}); install it from source (the PyPI package "
+                "is an empty placeholder), see docs/install-npu.md"
+            ) from None
+    try:
+        importlib.import_module("megatron.core")
+        importlib.import_module("mbridge")
+    except ImportError as exc:
+        raise UserError(f"actor.engine=megatron needs megatron-core and mbridge ({exc}); see docs/engines.md") from None
+
+
+def _check_config(cfg: Config, backend: Backend) -> None:
+    if cfg.model.dtype not in _DTYPES:
+        raise ConfigError(
+            f"config key 'model.dtype' = {cfg.model.dtype!r} is not supported by the megatron engine (float16 needs "
+            "loss scaling); use bfloat16 or float32"
+        )
+    a = cfg.actor
+    if a.context_parallel_size != 1:
+        raise ConfigError(
+            "config key 'actor.context_parallel_size' must be 1 for actor.engine=megatron: context parallelism "
+            "needs packed (THD) attention, which this engine does not implement yet"
+        )
+    if cfg.model.gradient_checkpointing:
+        raise ConfigError(
+            "config key 'model.gradient_checkpointing' is the fsdp engine's; with actor.engine=megatron set "
+            "'actor.recompute: full' (or 'selective') instead"
+        )
+    if a.use_mc2 and backend.name != "npu":
+        raise ConfigError("config key 'actor.use_mc2' is Ascend-only (MindSpeed MC2); set it to false on this device")
+    if backend.torch_device_type == "cpu" and a.sequence_parallel:
+        raise ConfigError(
+            "config key 'actor.sequence_parallel' cannot be true on CPU: megatron's local layer spec cannot run "
+            "sequence parallelism there; set it to false"
+        )
+    if cfg.algorithm.minibatches_per_rollout is None:
+        raise ConfigError(
+            "config key 'algorithm.minibatches_per_rollout' is unresolved; load the config with "
+            "gspo_ascend.config.load_config (it derives it from actor.ppo_mini_batch_size)"
+        )
+
+
+def _check_model(cfg: Config, hf: Any, world: int, on_cpu: bool) -> None:
+    """Shapes that must divide by the parallel sizes, checked here with the key to change."""
+    a = cfg.actor
+    tp, pp = a.tensor_parallel_size, a.pipeline_parallel_size
+    ep, etp = a.expert_parallel_size, a.expert_tensor_parallel_size
+    moe = getattr(hf, "num_experts", None)
+    rules = [
+        (world % (tp * pp) == 0, f"the world size ({world}) must be a multiple of TP x PP ({tp} x {pp})"),
+        (world % (etp * ep * pp) == 0, f"the world size ({world}) must be a multiple of ETP x EP x PP"),
+        (hf.num_key_value_heads % tp == 0, f"num_key_value_heads ({hf.num_key_value_heads}) must divide by TP"),
+        (hf.num_attention_heads % tp == 0, f"num_attention_heads ({hf.num_attention_heads}) must divide by TP"),
+        (hf.vocab_size % tp == 0, f"vocab_size ({hf.vocab_size}) must divide by TP (the vocabulary is not padded)"),
+        (hf.num_hidden_layers % pp == 0, f"num_hidden_layers ({hf.num_hidden_layers}) must divide by PP"),
+        (moe or (ep == 1 and etp == 1), "expert_parallel_size / expert_tensor_parallel_size need a MoE model"),
+        (not moe or moe % ep == 0, f"num_experts ({moe}) must divide by expert_parallel_size ({ep})"),
+        (not moe or tp == 1 or a.sequence_parallel, "MoE with TP > 1 needs actor.sequence_parallel=true (Megatron)"),
+        (not (moe and tp > 1 and on_cpu), "MoE with TP > 1 is impossible on CPU (it needs sequence parallelism)"),
+    ]
+    for ok, problem in rules:
+        if not ok:
+            raise ConfigError(
+                f"actor.tensor/pipeline/expert(_tensor)_parallel_size = {tp}/{pp}/{ep}/{etp} do not fit "
+                f"'{cfg.model.path or 'model'}': {problem}"
+            )
+
+
+def _mindspeed_options(cfg: Config, moe: bool, config_cls: type) -> dict[str, Any]:
+    """MindSpeed's fused kernels on Ascend (flash attention, fused RMSNorm / RoPE / SwiGLU, grouped GEMM for
+    experts, MC2 when asked for). MindSpeed adds these to megatron's TransformerConfig when it patches it; an
+    option this MindSpeed does not know is dropped with a log line rather than failing. Untested here: there is
+    no NPU in CI (the CPU path takes the local spec without them)."""
+    wanted = {
+        "use_flash_attn": True,
+        "use_fused_rmsnorm": True,
+        "use_fused_swiglu": True,
+        "use_fused_rotary_pos_emb": True,
+        "moe_grouped_gemm": moe,
+        "use_ascend_mc2": cfg.actor.use_mc2,  # the doctor's preflight checks MC2's TP / SP / dense rules
+    }
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    dropped = sorted(k for k in wanted if k not in known)
+    if dropped:
+        log.warning("MindSpeed options not accepted by this TransformerConfig, skipped: %s", ", ".join(dropped))
+    return {k: v for k, v in wanted.items() if k in known}
+
+
+def _transformer_overrides(cfg: Config, backend: Backend, moe: bool, use_te: bool) -> dict[str, Any]:
+    """Our TransformerConfig settings on top of mbridge's (which assume TE: SP forced on with TP > 1)."""
+    a = cfg.actor
+    overrides: dict[str, Any] = {
+        "sequence_parallel": a.sequence_parallel and a.tensor_parallel_size > 1,
+        # the global-count normalisation (module docstring): no division by micro-batches, DDP sums
+        "calculate_per_token_loss": True,
+        "variable_seq_lengths": True,  # micro-batches are padded to their own length
+    }
+    if moe:
+        overrides["moe_router_dtype"] = "fp32"  # HF computes routing probabilities in float32 too
+    if not use_te:  # fusions that need TE or Apex kernels
+        overrides.update(
+            moe_grouped_gemm=False,
+            persist_layer_norm=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False,
+            apply_rope_fusion=False,
+        )
+    if a.recompute == "full":
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif a.recompute == "selective":
+        overrides.update(recompute_granularity="selective")
+    if backend.name == "npu" and not backend.emulated:
+        from megatron.core.transformer import TransformerConfig
+
+        overrides.update(_mindspeed_options(cfg, moe, TransformerConfig))
+    return overrides
+
+
+def _finalize_grads(model_chunks, num_tokens=None, *args, **kwargs):
+    """megatron's finalize_model_grads (DP reduction, tied-embedding and SP layernorm grads) without the division
+    by the token count that calculate_per_token_loss would add: our losses are normalised already."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model_chunks, None, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- micro-batches
+
+
+@dataclass
+class _Micro:
+    """One forward pass: a right-padded [b, S] token block and where each response token's log-prob comes from
+    (row, position predicting it) and goes to (row, column of the [b, R] output)."""
+
+    tokens: torch.Tensor  # [b, S] int64
+    position_ids: torch.Tensor  # [b, S]
+    rows: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    cols: torch.Tensor  # [N]
+    labels: torch.Tensor  # [N]
+    shape: tuple[int, int]  # (b, R)
+    sample: SampleBatch | None = None  # None for a dummy pass
+    index: list[int] | None = None  # rows of the (mini)batch this micro-batch holds
+    ref_log_probs: torch.Tensor | None = None  # [b, R], with algorithm.kl_coef > 0
+
+
+def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, device, index: list[int] | None) -> _Micro:
+    lengths = response_lengths(batch)
+    seqs = [list(p) + row[:n] for p, row, n in zip(batch.prompt_ids, batch.response_ids.tolist(), lengths, strict=True)]
+    width = max(len(s) for s in seqs)
+    width = -(-width // multiple) * multiple  # sequence parallelism splits S over TP ranks
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    rows, positions, cols, labels = [], [], [], []
+    for i, (seq, prompt, n) in enumerate(zip(seqs, batch.prompt_ids, lengths, strict=True)):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        rows += [i] * n
+        positions += range(len(prompt) - 1, len(prompt) - 1 + n)  # logits at len(prompt)-1+t predict token t
+        cols += range(n)
+        labels += seq[len(prompt) :]
+
+    def t(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    b, r = batch.response_ids.shape
+    return _Micro(
+        tokens=tokens.to(device),
+        position_ids=torch.arange(width, device=device).expand(len(seqs), width),
+        rows=t(rows),
+        positions=t(positions),
+        cols=t(cols),
+        labels=t(labels),
+        shape=(b, r),
+        sample=batch if index is not None else None,
+        index=index,
+    )
+
+
+def _dummy_batch(pad_id: int) -> SampleBatch:
+    zeros = torch.zeros((1, 1))
+    return SampleBatch([[pad_id]], zeros.long(), zeros)
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, micro: _Micro, temperature: float) -> torch.Tensor:
+    """[b, R] float32 ``log_softmax(logits / T)[y]`` from TP-sharded logits [b, S, V/TP] (0 at padding), without
+    gathering the vocabulary: megatron's vocab-parallel cross entropy all-reduces max / target / sum-exp."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if micro.rows.numel() == 0:  # keep the graph connected: every rank must take part in the backward
+        return logits.new_zeros(micro.shape, dtype=torch.float32) + 0.0 * logits.sum()
+    picked = logits[micro.rows, micro.positions].float()  # [N, V/TP]
+    if temperature != 1.0:
+        picked = picked / temperature
+    lp = -vocab_parallel_cross_entropy(picked, micro.labels)  # [N]
+    return lp.new_zeros(micro.shape).index_put((micro.rows, micro.cols), lp)
+
+
+# ----------------------------------------------------------------------------------------------- the engine
+
+
+def _on_device(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._resident():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class MegatronEngine:
+    """TrainEngine (engines/base.py) over megatron-core; see the module docstring."""
+
+    def __init__(self, cfg: Config, backend: Backend, model_path: str, *, force_offload: bool = False) -> None:
+        """``force_offload``: run the actor.offload mechanism even on CPU (where it only costs time), for tests."""
+        _check_config(cfg, backend)
+        self.cfg, self.backend = cfg, backend
+        self.owns_process_group = _ensure_process_group(backend)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = _select_device(backend, self.rank)
+        _import_megatron(backend)
+        self.model_path = model_path
+        self.hf_config = mb.load_hf_config(model_path)
+        on_cpu = backend.torch_device_type == "cpu"
+        _check_model(cfg, self.hf_config, self.world_size, on_cpu)
+        self.moe = bool(getattr(self.hf_config, "num_experts", None))
+        self.compute_dtype = _DTYPES[cfg.model.dtype]
+        self.owns_parallel_state = self._init_parallel_state()
+        self._init_groups()
+        use_te = backend.name == "cuda" and mb.transformer_engine_available()
+        self.rename = not use_te  # local-spec names -> TE names for mbridge
+        overrides = _transformer_overrides(cfg, backend, self.moe, use_te)
+        self.bridge = mb.make_bridge(self.hf_config, self.compute_dtype, overrides, use_te)
+        self.models = self._build_models(trainable=True)
+        self.ref_models = self._build_models(trainable=False) if cfg.algorithm.kl_coef > 0 else None
+        self.tconfig = mb.unwrap(self.models[0]).config
+        self.tconfig.finalize_model_grads_func = _finalize_grads
+        self.optimizer = self._build_optimizer()
+        self.layout = mb.HFLayout(self.hf_config)
+        self.policy_loss = get_policy_loss(cfg.algorithm.loss)  # an attribute so tests can wrap it
+        self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        self.seq_multiple = self.tp if self.tconfig.sequence_parallel else 1
+        self.optimizer_steps = 0  # the warm-up schedule's position (skipped steps do not advance it)
+        self.nan_steps_total = 0
+        self._offload = _Offload(self) if (force_offload or not on_cpu) and cfg.actor.offload else None
+        self._resident_depth = 0
+        if self._offload is not None:
+            self._offload.to_host()
+
+    # ------------------------------------------------------------------------------------------- set-up
+
+    def _init_parallel_state(self) -> bool:
+        from megatron.core import parallel_state, tensor_parallel
+
+        a = self.cfg.actor
+        sizes = (a.tensor_parallel_size, a.pipeline_parallel_size, a.expert_parallel_size)
+        sizes += (a.expert_tensor_parallel_size,)
+        if parallel_state.model_parallel_is_initialized():
+            current = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_world_size(),
+            )
+            if current != sizes:
+                raise UserError(f"megatron's parallel state is already set up as TP/PP/EP/ETP {current}, not {sizes}")
+            return False
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes[0],
+            pipeline_model_parallel_size=sizes[1],
+            expert_model_parallel_size=sizes[2],
+            expert_tensor_parallel_size=sizes[3],
+        )
+        # the RNG tracker megatron needs for TP (on the shim this also reseeds the CPU generator with the seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.trainer.seed)
+        return True
+
+    def _init_groups(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.last_stage = ps.is_pipeline_last_stage()
+        self.dp_group = ps.get_data_parallel_group()
+        self.mp_group = ps.get_model_parallel_group()
+        self.mp_size, self.mp_rank = dist.get_world_size(self.mp_group), dist.get_rank(self.mp_group)
+        # one rank per data-parallel replica reports metrics (the last stage's first TP rank)
+        self.reports = self.last_stage and self.tp_rank == 0
+
+    def _build_models(self, trainable: bool) -> list[torch.nn.Module]:
+        a = self.cfg.actor
+        ddp = {
+            "grad_reduce_in_fp32": True,
+            "use_distributed_optimizer": a.use_distributed_optimizer,
+            "overlap_grad_reduce": False,
+            "average_in_collective": False,
+        }
+        models = self.bridge.get_model(
+            bf16=self.compute_dtype == torch.bfloat16,
+            wrap_with_ddp=trainable,
+            ddp_config=ddp,
+            data_parallel_random_init=False,
+        )
+        self.bridge.load_weights([self._view(m) for m in models], self.model_path)
+        if not trainable:
+            for model in models:
+                model.requires_grad_(False)
+                model.eval()
+        return models
+
+    def _view(self, model: torch.nn.Module) -> mb.TENamedView:
+        return mb.TENamedView(mb.unwrap(model), self.moe, self.rename)
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        a = self.cfg.actor
+        config = OptimizerConfig(
+            optimizer="adam",  # torch AdamW (decoupled decay) without TE/Apex, their fused AdamW otherwise
+            lr=a.lr,
+            min_lr=a.lr,
+            weight_decay=a.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_eps=1e-8,
+            clip_grad=a.grad_clip,
+            bf16=self.compute_dtype == torch.bfloat16,
+            params_dtype=self.compute_dtype,
+            use_distributed_optimizer=a.use_distributed_optimizer,
+        )
+        # {} = no overrides: decay every parameter like the fsdp engine (None would exempt norms and biases)
+        return get_megatron_optimizer(config, self.models, config_overrides={})
+
+    def _sub_optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    @contextlib.contextmanager
+    def _resident(self):
+        """Weights, gradient buffers and optimizer state on the device for the duration (re-entrant)."""
+        outer = self._resident_depth == 0 and self._offload is not None
+        if outer:
+            self._offload.to_device()
+        self._resident_depth += 1
+        try:
+            yield
+        finally:
+            self._resident_depth -= 1
+            if outer:
+                self._offload.to_host()
+                self.backend.empty_cache()
+
+    def close(self) -> None:
+        """Tear down megatron's parallel state and the process group if this engine created them."""
+        if self.owns_parallel_state:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            self.owns_parallel_state = False
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_process_group = False
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def _all_reduce(self, values, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+        t = torch.as_tensor(values, dtype=torch.float64, device=self.device)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=op, group=group)
+        return t.cpu()
+
+    def _group_shards(self, batch: SampleBatch) -> list[SampleBatch]:
+        """The shards of every rank of this model-parallel group, in group order (see the module docstring)."""
+        if self.mp_size == 1:
+            return [batch]
+        shards: list[Any] = [None] * self.mp_size
+        dist.all_gather_object(shards, batch, group=self.mp_group)
+        return shards
+
+    def _micros(self, batch: SampleBatch, ref: torch.Tensor | None = None) -> list[_Micro]:
+        """Micro-batches of ``batch`` padded with dummy passes to the most any rank runs."""
+        a = self.cfg.actor
+        parts, plan = micro_batches(batch, a.micro_batch_size, a.max_tokens_per_micro_batch)
+        passes = int(self._all_reduce([len(parts)], dist.ReduceOp.MAX)[0])
+        micros = []
+        for part, index in zip(parts, plan.groups, strict=True):
+            micro = _build_micro(part, self.pad_id, self.seq_multiple, self.device, index)
+            micro.ref_log_probs = None if ref is None else ref[index].to(self.device)
+            micros.append(micro)
+        dummy = _dummy_batch(self.pad_id)  # every pass is a collective (TP, PP, EP): ranks run the same count
+        micros += [_build_micro(dummy, self.pad_id, 1, self.device, None) for _ in range(passes - len(parts))]
+        self._oversized = plan.oversized
+        return micros
+
+    def _schedule(self, models, micros: list[_Micro], forward_only: bool, loss_fn) -> None:
+        """One pass of megatron's forward(-backward) schedule (1F1B with PP > 1) over ``micros``."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        one = torch.ones((), dtype=torch.int, device=self.device)
+
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            output = model(micro.tokens, micro.position_ids, None)  # last stage: logits [b, S, V/TP]
+
+            def loss(output_tensor):
+                value, reported = loss_fn(micro, output_tensor)
+                return value, one, reported
+
+            return output, loss
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micros),
+            model=models,
+            num_microbatches=len(micros),
+            seq_length=max(m.tokens.shape[1] for m in micros),
+            micro_batch_size=max(m.tokens.shape[0] for m in micros),
+            forward_only=forward_only,
+        )
+
+    def _forward_only(self, models, batch: SampleBatch, temperature: float) -> torch.Tensor:
+        """[B, R] float32 host log-probs of the whole (group) batch, on every rank of the pipeline."""
+        out = torch.zeros(tuple(batch.response_ids.shape), dtype=torch.float32)
+
+        def loss_fn(micro: _Micro, logits: torch.Tensor):
+            lp = vocab_parallel_log_probs(logits, micro, temperature)
+            if micro.index is not None:
+                out[micro.index] = lp.float().cpu()
+            return lp.sum() * 0.0, {}
+
+        for model in models:
+            model.eval()
+        with torch.no_grad():
+            self._schedule(models, self._micros(batch), True, loss_fn)
+        if self.pp > 1:  # only the last stage computed them
+            moved = out.to(self.device)
+            dist.broadcast(moved, src=dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
+            out = moved.cpu()
+        return out
+
+    # ------------------------------------------------------------------------------------------- contract
+
+    @_on_device
+    def compute_log_probs(self, batch: SampleBatch, temperature: float) -> torch.Tensor:
+        """[B, R] float32 on the host, no grad, for this rank's rows."""
+        shards = self._group_shards(batch)
+        full = self._forward_only(self.models, SampleBatch.concat(shards), temperature)
+        start = sum(len(s) for s in shards[: self.mp_rank])
+        return full[start : start + len(batch)]
+
+    @_on_device
+    def update(self, batch: SampleBatch, temperature: float) -> dict[str, float]:
+        if batch.old_log_probs is None or batch.advantages is None:
+            raise ValueError("update needs a batch with old_log_probs and advantages set")
+        k = self.cfg.algorithm.minibatches_per_rollout
+        if len(batch) % k:
+            raise UserError(
+                f"this rank's shard of {len(batch)} samples cannot be split into "
+                f"algorithm.minibatches_per_rollout={k} minibatches; make the per-rank batch a multiple of it"
+            )
+        shards = [s.split(k) for s in self._group_shards(batch)]
+        records = []
+        for j in range(k):
+            record = self.backward_minibatch(SampleBatch.concat([s[j] for s in shards]), temperature)
+            self._step(record)
+            records.append(record)
+        return self._metrics(records)
+
+    @_on_device
+    def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> _Minibatch:
+        """Forward/backward every micro-batch of one (model-parallel group) minibatch; the reduced gradients are
+        left in megatron's buffers. Public for tests that want a gradient without an optimizer step."""
+        tokens, seqs = count_tokens_and_seqs(minibatch.response_mask)
+        global_tokens, global_seqs = self._all_reduce([int(tokens), int(seqs)], group=self.dp_group).tolist()
+        counts = {
+            "global_tokens": global_tokens,
+            "global_seqs": global_seqs,
+            "norm_length": minibatch.response_ids.shape[1],
+        }
+        ref = None
+        if self.ref_models is not None:
+            ref = self._forward_only(self.ref_models, minibatch, temperature)
+        micros = self._micros(minibatch, ref)
+        record = _Minibatch(passes=len(micros))
+        if self.reports:
+            record.sums["oversized_samples"] = float(self._oversized)
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+
+        def loss_fn(micro: _Micro, logits: torch.Tensor):
+            nonlocal bad
+            lp = vocab_parallel_log_probs(logits, micro, temperature)
+            if micro.sample is None:
+                return lp.sum() * 0.0, {}
+            loss, metrics = self._micro_loss(lp, micro, counts)
+            bad = bad | ~torch.isfinite(loss.detach())
+            if self.reports:
+                record.add(metrics)
+            return loss, {}
+
+        for model in self.models:
+            model.train()
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._schedule(self.models, micros, False, loss_fn)
+        record.skipped = bool(bad)
+        return record
+
+    def _micro_loss(self, log_prob: torch.Tensor, micro: _Micro, counts: dict[str, Any]):
+        d, alg, sample = self.device, self.cfg.algorithm, micro.sample
+        mask = sample.response_mask.to(d)
+        loss, metrics = self.policy_loss(
+            log_prob,
+            sample.old_log_probs.to(d),
+            sample.advantages.to(d),
+            mask,
+            clip_low=alg.clip_ratio_low,
+            clip_high=alg.clip_ratio_high,
+            clip_ratio_c=alg.clip_ratio_c,
+            agg_mode=alg.loss_agg_mode,
+            **counts,
+        )
+        if micro.ref_log_probs is not None:
+            kl = agg_loss(
+                kl_penalty(alg.kl_estimator, log_prob, micro.ref_log_probs, mask), mask, alg.loss_agg_mode, **counts
+            )
+            loss = loss + alg.kl_coef * kl
+            metrics = {**metrics, "kl_ref": kl.detach()}
+        return loss, metrics
+
+    def _step(self, record: _Minibatch) -> None:
+        """Clip + optimizer step, or, on a non-finite loss (any rank) or grad norm, skip it and the warm-up step.
+        megatron's own ``optimizer.step()`` would step on a NaN norm without a loss scaler, so we take it apart
+        into its public pieces: prepare_grads, get_grad_norm, clip, step_with_ready_grads."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        bad = self._all_reduce([float(record.skipped)], dist.ReduceOp.MAX)[0] > 0
+        found_inf = self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm() or 0.0)  # global over all model-parallel and DP shards
+        if bad or found_inf or not math.isfinite(norm):
+            self.optimizer.zero_grad()
+            record.skipped = True
+            self.nan_steps_total += 1
+            return
+        if self.cfg.actor.grad_clip > 0:
+            for sub in self._sub_optimizers():
+                params = sub.get_parameters()
+                if params:
+                    decoupled = sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                    clip_grad_by_total_norm_fp32(params, self.cfg.actor.grad_clip, norm, decoupled)
+        lr = self.cfg.actor.lr * warmup_factor(self.cfg.actor.warmup_steps)(self.optimizer_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        self.optimizer.step_with_ready_grads()
+        self.optimizer_steps += 1
+        record.grad_norm, record.lr = norm, lr
+
+    def _metrics(self, records: list[_Minibatch]) -> dict[str, float]:
+        """fsdp's metrics: per-minibatch global values (reporting ranks' sums over all ranks), then the mean over
+        the minibatches that stepped. Ranks that do not report contribute zeros / +-inf."""
+        local = tuple(sorted({k for r in records for k in getattr(r, book)}) for book in ("sums", "mins", "maxs"))
+        keys: list[Any] = [local] * self.world_size
+        if self.world_size > 1:  # ranks that do not report have no metric keys
+            dist.all_gather_object(keys, local)
+        sum_keys, min_keys, max_keys = (sorted({k for entry in keys for k in entry[i]}) for i in range(3))
+        sums = self._all_reduce([[r.sums.get(k, 0.0) for k in sum_keys] for r in records])
+        ext = [
+            [-r.mins.get(k, math.inf) for k in min_keys] + [r.maxs.get(k, -math.inf) for k in max_keys] for r in records
+        ]
+        ext = self._all_reduce(ext, dist.ReduceOp.MAX) if min_keys or max_keys else None
+        per_mb = []
+        for j in range(len(records)):
+            values = _combine(dict(zip(sum_keys, sums[j].tolist(), strict=True)))
+            if ext is not None:
+                for key, value in zip(min_keys + max_keys, ext[j].tolist(), strict=True):
+                    values[key] = 1.0 if math.isinf(value) else (-value if key in min_keys else value)
+            per_mb.append(values)
+        stepped = [j for j, r in enumerate(records) if not r.skipped] or list(range(len(records)))
+        out = {f"actor/{k}": sum(per_mb[j][k] for j in stepped) / len(stepped) for k in per_mb[0]}
+        norms = [r.grad_norm for r in records if not r.skipped]
+        lrs = [r.lr for r in records if not r.skipped]
+        out["actor/grad_norm"] = sum(norms) / len(norms) if norms else math.nan
+        out["actor/lr"] = (
+            lrs[-1] if lrs else self.cfg.actor.lr * warmup_factor(self.cfg.actor.warmup_steps)(self.optimizer_steps)
+        )
+        out["actor/nan_steps_skipped"] = float(sum(r.skipped for r in records))
+        out["actor/micro_batches"] = float(sum(r.passes for r in records))
+        index = sum_keys.index("oversized_samples") if "oversized_samples" in sum_keys else None
+        out["actor/oversized_samples"] = float(sums[:, index].sum()) if index is not None else 0.0
+        return out
+
+    # ------------------------------------------------------------------------------------------- weights
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor of the HF ``state_dict``, full (TP / EP shards gathered, PP stages broadcast), in the
+        compute dtype, on this rank's device. Collective: every rank must iterate to the end."""
+        with self._resident():
+            stream = self.bridge.export_weights([self._view(m) for m in self.models])
+            for name, tensor in self.layout.convert(stream):
+                yield name, tensor.detach().to(self.compute_dtype).contiguous()
+
+    @_on_device
+    def save_hf(self, path: str, tokenizer: Any) -> None:
+        """safetensors (sharded at 5 GiB) + config + generation config + tokenizer, written by rank 0."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        meta = self.layout.meta_state
+        names = [n for n in self.layout.shapes if n not in self.layout.tied]
+        shards = _plan_shards(meta, names, self.compute_dtype)
+        files = _shard_file_names(len(shards))
+        shard_of = {n: i for i, shard in enumerate(shards) for n in shard}
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        pending: dict[str, torch.Tensor] = {}
+        for name, tensor in self.export_weights():  # collective on every rank
+            if self.rank != 0 or name not in shard_of:
+                continue
+            pending[name] = tensor.cpu().clone()
+            shard = shards[shard_of[name]]
+            if all(n in pending for n in shard):
+                save_file({n: pending.pop(n) for n in shard}, str(out / files[shard_of[name]]), {"format": "pt"})
+        if self.rank == 0:
+            self._write_hf_metadata(out, shards, files, shard_of, tokenizer)
+        dist.barrier()
+
+    def _write_hf_metadata(self, out: Path, shards, files, shard_of, tokenizer) -> None:
+        if len(shards) > 1:
+            size = torch.empty((), dtype=self.compute_dtype).element_size()
+            total = sum(self.layout.meta_state[n].numel() * size for n in shard_of)
+            index = {"metadata": {"total_size": total}, "weight_map": {n: files[i] for n, i in shard_of.items()}}
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        config = copy.deepcopy(self.hf_config)
+        config.dtype = self.compute_dtype
+        config.save_pretrained(out)
+        with contextlib.suppress(OSError):  # a checkpoint without generation_config.json
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_pretrained(self.model_path).save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def _rank_file(self, path: str) -> Path:
+        return Path(path) / f"megatron_rank{self.rank}.pt"
+
+    def _layout_tag(self) -> dict[str, int]:
+        a = self.cfg.actor
+        return {
+            "world": self.world_size,
+            "tp": a.tensor_parallel_size,
+            "pp": a.pipeline_parallel_size,
+            "ep": a.expert_parallel_size,
+            "etp": a.expert_tensor_parallel_size,
+            "distributed_optimizer": int(a.use_distributed_optimizer),
+        }
+
+    @_on_device
+    def save_checkpoint(self, path: str) -> None:
+        """This rank's model shard, optimizer shard (inner AdamW state + float32 main weights), warm-up position and
+        RNG states (CPU, device, megatron's TP RNG tracker) into ``megatron_rank{r}.pt``: bitwise resume at the
+        same parallel layout."""
+        from megatron.core import tensor_parallel
+
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "layout": self._layout_tag(),
+            "models": [mb.unwrap(m).state_dict() for m in self.models],
+            "optimizers": [
+                {
+                    "inner": sub.optimizer.state_dict(),
+                    "main": [p.detach().clone() for g in sub.optimizer.param_groups for p in g["params"]],
+                }
+                for sub in self._sub_optimizers()
+            ],
+            "optimizer_steps": self.optimizer_steps,
+            "nan_steps_total": self.nan_steps_total,
+            "cpu_rng": torch.get_rng_state(),
+            "device_rng": None if self.backend.torch_device_type == "cpu" else self.backend.module().get_rng_state(),
+            "tracker_rng": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        }
+        Path(path).mkdir(parents=True, exist_ok=True)  # like torch.distributed.checkpoint (what fsdp uses) does
+        torch.save(state, self._rank_file(path))
+        dist.barrier()
+
+    @_on_device
+    def load_checkpoint(self, path: str) -> None:
+        from megatron.core import tensor_parallel
+
+        rank_file = self._rank_file(path)
+        if not rank_file.is_file():
+            raise UserError(
+                f"checkpoint '{path}' has no {rank_file.name}: it is incomplete or was written by fewer ranks; "
+                "resume with the same number of ranks or from another checkpoint"
+            )
+        state = torch.load(rank_file, weights_only=False)  # our own file: RNG tracker states are plain objects
+        if state.get("layout") != self._layout_tag():
+            raise UserError(
+                f"checkpoint '{path}' was written with parallel layout {state.get('layout')}, this run is "
+                f"{self._layout_tag()}; resume with the same actor.*_parallel_size and world size"
+            )
+        for model, model_state in zip(self.models, state["models"], strict=True):
+            mb.unwrap(model).load_state_dict(model_state, strict=True)
+        for sub, saved in zip(self._sub_optimizers(), state["optimizers"], strict=True):
+            params = [p for g in sub.optimizer.param_groups for p in g["params"]]
+            with torch.no_grad():
+                for param, value in zip(params, saved["main"], strict=True):
+                    param.copy_(value)
+            sub.optimizer.load_state_dict(saved["inner"])
+        self.optimizer_steps = state["optimizer_steps"]
+        self.nan_steps_total = state["nan_steps_total"]
+        torch.set_rng_state(state["cpu_rng"])
+        if state["device_rng"] is not None:
+            self.backend.module().set_rng_state(state["device_rng"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker_rng"])
+
+
+class _Offload:
+    """actor.offload: model weights, gradient buffers and optimizer state to host memory between calls.
+
+    Megatron's DDP keeps parameters and gradients as views into flat buffers; freeing a buffer's storage
+    (``resize_(0)``) and re-growing it later keeps every view valid, so only the flat buffers move. Parameters
+    outside such buffers, float32 main weights and optimizer state move with ``.data``. Gradients are not copied
+    back (every update starts by zeroing them)."""
+
+    def __init__(self, engine: MegatronEngine) -> None:
+        self.engine = engine
+        self.host: list[torch.Tensor] = []  # host copies of the parameter buffers, in _buffers() order
+        self.sizes: list[int] = []  # storage bytes of every buffer, in _buffers() order
+
+    def _buffers(self) -> list[tuple[torch.Tensor, bool]]:
+        """(flat buffer, holds parameters) for every DDP buffer; grads first so they never clobber parameters
+        that share a storage with them."""
+        grads, params = [], []
+        for model in self.engine.models:
+            for buffer in getattr(model, "buffers", []) + getattr(model, "expert_parallel_buffers", []):
+                grads.append((buffer.grad_data, False))
+                if buffer.param_data is not None:
+                    params.append((buffer.param_data, True))
+        return grads + params
+
+    def _loose_tensors(self) -> Iterator[torch.Tensor]:
+        """Tensors with storage of their own: parameters outside the buffers (no distributed optimizer), float32
+        main weights (bf16 runs; fp32 shards are views and skipped), optimizer state."""
+        for model in self.engine.models:
+            for buffer in getattr(model, "buffers", []) + getattr(model, "expert_parallel_buffers", []):
+                if buffer.param_data is None:
+                    yield from buffer.params
+        for sub in self.engine._sub_optimizers():
+            yield from (p for g in sub.optimizer.param_groups for p in g["params"] if p._base is None)
+            for state in sub.optimizer.state.values():
+                yield from (v for k, v in state.items() if torch.is_tensor(v) and k != "step")
+
+    def to_host(self) -> None:
+        host = torch.device("cpu")
+        buffers = self._buffers()
+        self.host = [t.detach().to(host, copy=True) for t, keep in buffers if keep]
+        self.sizes = [t.untyped_storage().nbytes() for t, _ in buffers]
+        for tensor, _ in buffers:
+            tensor.untyped_storage().resize_(0)
+        for tensor in self._loose_tensors():
+            tensor.data = tensor.data.to(host, copy=True)
+
+    def to_device(self) -> None:
+        kept = iter(self.host)
+        for (tensor, keep), size in zip(self._buffers(), self.sizes, strict=True):
+            if tensor.untyped_storage().nbytes() != size:
+                tensor.untyped_storage().resize_(size)
+            if keep:
+                tensor.copy_(next(kept))
+            else:
+                tensor.zero_()
+        self.host = []
+        for tensor in self._loose_tensors():
+            tensor.data = tensor.data.to(self.engine.device)

@@ -117,6 +117,8 @@ def _init_ray(backend, world_size: int) -> None:
         ray.init(log_to_driver=True)
         return
     resources = {backend.ray_resource: world_size} if backend.emulated and backend.ray_resource else None
+    # Ray starts workers at niceness 15; on a shared host they would lose the CPU to anything else running
+    os.environ.setdefault("RAY_worker_niceness", "0")
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     ray.init(
         num_cpus=max(os.cpu_count() or 1, world_size),

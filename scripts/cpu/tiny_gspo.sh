@@ -2,7 +2,7 @@
 # GSPO on the embedded tiny Qwen3 (427k parameters) on this machine's CPU: the miniature of the cluster scripts,
 # same launcher and steps (a one-node Ray cluster, `ray job submit` with env/cpu/cpu_env.yaml), no accelerator.
 # Config: configs/tiny_gspo.yaml; the tiny model and the synthetic arithmetic data are built on first use.
-#   run:   bash scripts/cpu/tiny_gspo.sh [key=value ...]      (needs Ray's job server: pip install 'ray[default]')
+#   run:   bash scripts/cpu/tiny_gspo.sh [key=value ...]      (Ray's job server, ray[default], is in the CPU lock)
 #   check: bash scripts/cpu/tiny_gspo.sh --dry-run
 # Variables and what every step does: docs/launch-scripts.md.
 set -euo pipefail

@@ -392,13 +392,7 @@ def test_launcher_stops_exactly_what_it_started():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def job_server_installed() -> bool:
-    proc = subprocess.run([sys.executable, "-c", "import ray.dashboard.optional_deps"], capture_output=True)
-    return proc.returncode == 0
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not job_server_installed(), reason="Ray's job server needs ray[default] (not in the CPU lock)")
 def test_cpu_script_trains_through_ray_job_submit(tmp_path):
     """The whole launch for real on CPU: Ray head, runtime_env upload, the trainer joining through RAY_ADDRESS,
     one GSPO step, the job's status as the exit code, and only our Ray node stopped afterwards."""

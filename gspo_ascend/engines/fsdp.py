@@ -28,9 +28,7 @@ MixedPrecisionPolicy with float32 gradient reduction. float16 is refused (it nee
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import json
 import math
 import os
 from collections.abc import Iterator
@@ -45,12 +43,12 @@ from gspo_ascend.algorithms import agg_loss, count_tokens_and_seqs, get_policy_l
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines.base import SampleBatch
+from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.logprobs import forward_log_probs
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.errors import ConfigError, UserError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-MAX_SHARD_BYTES = 5 * 1024**3  # safetensors shard size of save_hf (what Hugging Face uses)
 _MEGATRON_ONLY_SIZES = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
@@ -397,40 +395,19 @@ class FSDPEngine:
     @_on_device
     def save_hf(self, path: str, tokenizer: Any) -> None:
         """safetensors (sharded at 5 GiB) + config + generation config + tokenizer, written by rank 0."""
-        from safetensors.torch import save_file
-
-        out = Path(path)
-        names = [n for n in self.model.state_dict() if n not in self.tied_names]
-        shards = _plan_shards(self.model.state_dict(), names, self.compute_dtype)
-        files = _shard_file_names(len(shards))
-        shard_of = {n: i for i, shard in enumerate(shards) for n in shard}
-        if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-        pending: dict[str, torch.Tensor] = {}
-        for name, tensor in self.export_weights():  # collective on every rank
-            if self.rank != 0 or name not in shard_of:
-                continue
-            pending[name] = tensor.cpu().contiguous()
-            shard = shards[shard_of[name]]
-            if all(n in pending for n in shard):
-                save_file({n: pending.pop(n) for n in shard}, str(out / files[shard_of[name]]), {"format": "pt"})
-        if self.rank == 0:
-            self._write_hf_metadata(out, shards, files, shard_of, tokenizer)
+        state = self.model.state_dict()
+        write_hf_checkpoint(
+            path,
+            self.export_weights(),
+            rank=self.rank,
+            shapes=state,
+            names=[n for n in state if n not in self.tied_names],
+            dtype=self.compute_dtype,
+            hf_config=self.model.config,
+            generation_config=getattr(self.model, "generation_config", None),
+            tokenizer=tokenizer,
+        )
         dist.barrier()
-
-    def _write_hf_metadata(self, out: Path, shards, files, shard_of, tokenizer) -> None:
-        if len(shards) > 1:
-            sd = self.model.state_dict()
-            total = sum(sd[n].numel() * _element_size(sd[n], self.compute_dtype) for n in shard_of)
-            index = {"metadata": {"total_size": total}, "weight_map": {n: files[i] for n, i in shard_of.items()}}
-            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-        config = copy.deepcopy(self.model.config)
-        config.dtype = self.compute_dtype
-        config.save_pretrained(out)
-        if getattr(self.model, "generation_config", None) is not None:
-            self.model.generation_config.save_pretrained(out)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
 
     # ------------------------------------------------------------------------------------------- checkpoints
 
@@ -535,27 +512,3 @@ def _select_device(backend: Backend, rank: int) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, backend.device_count())))
     backend.set_device(local_rank)
     return backend.device(local_rank)
-
-
-def _element_size(tensor: torch.Tensor, dtype: torch.dtype) -> int:
-    return (torch.empty((), dtype=dtype) if tensor.is_floating_point() else tensor).element_size()
-
-
-def _plan_shards(state_dict: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> list[list[str]]:
-    """Consecutive names grouped into files of at most MAX_SHARD_BYTES (a bigger tensor gets its own)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        nbytes = state_dict[name].numel() * _element_size(state_dict[name], dtype)
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def _shard_file_names(count: int) -> list[str]:
-    if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]

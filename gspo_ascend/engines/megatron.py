@@ -40,11 +40,9 @@ TransformerConfig accepts them (:func:`_mindspeed_options`); that path cannot be
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import importlib
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -64,11 +62,10 @@ from gspo_ascend.engines.fsdp import (
     _combine,
     _ensure_process_group,
     _Minibatch,
-    _plan_shards,
     _select_device,
-    _shard_file_names,
     warmup_factor,
 )
+from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.logprobs import response_lengths
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.errors import ConfigError, UserError
@@ -697,43 +694,23 @@ class MegatronEngine:
     @_on_device
     def save_hf(self, path: str, tokenizer: Any) -> None:
         """safetensors (sharded at 5 GiB) + config + generation config + tokenizer, written by rank 0."""
-        from safetensors.torch import save_file
-
-        out = Path(path)
-        meta = self.layout.meta_state
-        names = [n for n in self.layout.shapes if n not in self.layout.tied]
-        shards = _plan_shards(meta, names, self.compute_dtype)
-        files = _shard_file_names(len(shards))
-        shard_of = {n: i for i, shard in enumerate(shards) for n in shard}
-        if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-        pending: dict[str, torch.Tensor] = {}
-        for name, tensor in self.export_weights():  # collective on every rank
-            if self.rank != 0 or name not in shard_of:
-                continue
-            pending[name] = tensor.cpu().clone()
-            shard = shards[shard_of[name]]
-            if all(n in pending for n in shard):
-                save_file({n: pending.pop(n) for n in shard}, str(out / files[shard_of[name]]), {"format": "pt"})
-        if self.rank == 0:
-            self._write_hf_metadata(out, shards, files, shard_of, tokenizer)
-        dist.barrier()
-
-    def _write_hf_metadata(self, out: Path, shards, files, shard_of, tokenizer) -> None:
-        if len(shards) > 1:
-            size = torch.empty((), dtype=self.compute_dtype).element_size()
-            total = sum(self.layout.meta_state[n].numel() * size for n in shard_of)
-            index = {"metadata": {"total_size": total}, "weight_map": {n: files[i] for n, i in shard_of.items()}}
-            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-        config = copy.deepcopy(self.hf_config)
-        config.dtype = self.compute_dtype
-        config.save_pretrained(out)
+        generation_config = None
         with contextlib.suppress(OSError):  # a checkpoint without generation_config.json
             from transformers import GenerationConfig
 
-            GenerationConfig.from_pretrained(self.model_path).save_pretrained(out)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
+            generation_config = GenerationConfig.from_pretrained(self.model_path)
+        write_hf_checkpoint(
+            path,
+            self.export_weights(),
+            rank=self.rank,
+            shapes=self.layout.meta_state,
+            names=[n for n in self.layout.shapes if n not in self.layout.tied],
+            dtype=self.compute_dtype,
+            hf_config=self.hf_config,
+            generation_config=generation_config,
+            tokenizer=tokenizer,
+        )
+        dist.barrier()
 
     # ------------------------------------------------------------------------------------------- checkpoints
 

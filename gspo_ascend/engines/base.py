@@ -81,6 +81,22 @@ class SampleBatch:
         return SampleBatch(**kwargs)
 
 
+def check_prompt_tokens(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Every rollout engine refuses empty prompts and ids outside the vocabulary with one line (a prompt
+    tokenized with another tokenizer otherwise fails deep inside an embedding lookup or a vLLM worker)."""
+    from ..errors import UserError
+
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UserError(f"prompt {i} is empty: every prompt needs at least one token (the chat template)")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise UserError(
+                f"prompt {i} holds token id {bad[0]} outside the model's vocabulary [0, {vocab_size}); "
+                "was the data tokenized with another tokenizer? (model.tokenizer_path)"
+            )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # samples per prompt

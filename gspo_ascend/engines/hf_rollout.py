@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ConfigError, UserError
-from .base import SampleBatch, SamplingParams
+from .base import SampleBatch, SamplingParams, check_prompt_tokens
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -170,15 +170,7 @@ class HFRolloutEngine:
             yield
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
-        for i, p in enumerate(prompts):
-            if not p:
-                raise UserError(f"prompt {i} is empty: every prompt needs at least one token (the chat template)")
-            bad = [t for t in p if not 0 <= t < self.vocab_size]
-            if bad:
-                raise UserError(
-                    f"prompt {i} holds token id {bad[0]} outside the model's vocabulary [0, {self.vocab_size}); "
-                    "was the data tokenized with another tokenizer? (model.tokenizer_path)"
-                )
+        check_prompt_tokens(prompts, self.vocab_size)
 
     # ------------------------------------------------------------------------------------------- weights
 

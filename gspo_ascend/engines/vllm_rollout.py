@@ -62,7 +62,7 @@ import torch
 
 from ..compile import resolve_enforce_eager
 from ..errors import ConfigError, UserError
-from .base import SampleBatch, SamplingParams
+from .base import SampleBatch, SamplingParams, check_prompt_tokens
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -325,15 +325,8 @@ class VLLMRolloutEngine:
     def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if params.n < 1 or params.max_new_tokens < 1:
             raise ValueError(f"SamplingParams needs n >= 1 and max_new_tokens >= 1, got {params}")
+        check_prompt_tokens(prompts, self.vocab_size)
         for i, p in enumerate(prompts):
-            if not p:
-                raise UserError(f"prompt {i} is empty: every prompt needs at least one token (the chat template)")
-            bad = [t for t in p if not 0 <= t < self.vocab_size]
-            if bad:
-                raise UserError(
-                    f"prompt {i} holds token id {bad[0]} outside the model's vocabulary [0, {self.vocab_size}); "
-                    "was the data tokenized with another tokenizer? (model.tokenizer_path)"
-                )
             if len(p) + params.max_new_tokens > self.max_model_len:
                 raise UserError(
                     f"prompt {i} ({len(p)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the vLLM context "

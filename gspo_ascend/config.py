@@ -435,3 +435,19 @@ def _data_parallel_split(cfg: Config) -> Iterable[str]:
             f"'data.train_batch_size' x 'rollout.n' ({tbs} x {n} = {tbs * n} samples) must divide into "
             f"algorithm.minibatches_per_rollout ({k}) x data-parallel size ({dp}) equal parts; change one of them"
         )
+
+
+@validator
+def _rollout_tensor_parallel(cfg: Config) -> Iterable[str]:
+    """vLLM's rollout TP groups are consecutive ranks of the training world (external launcher)."""
+    world, tp = cfg.trainer.nnodes * cfg.trainer.devices_per_node, cfg.rollout.tensor_parallel_size
+    if cfg.rollout.engine == "vllm" and tp > 0 and world > 0 and world % tp:
+        yield (
+            f"config key 'rollout.tensor_parallel_size' ({tp}) must divide the number of devices ({world} = "
+            "trainer.nnodes x trainer.devices_per_node)"
+        )
+    elif cfg.rollout.engine == "vllm" and tp > 0 and world % tp == 0 and cfg.data.train_batch_size % (world // tp):
+        yield (
+            f"config key 'data.train_batch_size' ({cfg.data.train_batch_size}) must be a multiple of the number of "
+            f"rollout groups ({world // tp} = devices / rollout.tensor_parallel_size)"
+        )

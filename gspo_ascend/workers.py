@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import replace
 from typing import Any
 
 from .config import Config, from_dict, to_dict
@@ -137,6 +136,7 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.cfg = cfg
         self.world_size = cfg.trainer.nnodes * cfg.trainer.devices_per_node
         _init_ray(backend, self.world_size)
         cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -173,20 +173,16 @@ class WorkerGroup:
         return ray.get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shards, strict=True)])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> SampleBatch:
+        """Each rollout tensor-parallel group of ranks (1 rank unless rollout.engine=vllm with TP > 1) gets a
+        contiguous slice of the prompts and its own seed; the group's first rank's samples are kept."""
         import ray
-        import torch
 
-        per = len(prompts) // self.world_size
-        calls = [
-            w.generate.remote(prompts[r * per : (r + 1) * per], replace(params, seed=params.seed + 7919 * r))
-            for r, w in enumerate(self.workers)
-        ]
-        shards = ray.get(calls)
-        for r, shard in enumerate(shards):  # group ids are local to a shard's prompt list
-            shard.group_index = shard.group_index + r * per
-        batch = SampleBatch.concat(shards)
-        batch.group_index = batch.group_index.to(torch.long)
-        return batch
+        from .engines.vllm_rollout import gather_rollout_shards, split_rollout_prompts
+
+        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.engine == "vllm" else 1
+        parts = split_rollout_prompts(prompts, params, self.world_size, tp)
+        shards = ray.get([w.generate.remote(p, sp) for w, (p, sp) in zip(self.workers, parts, strict=True)])
+        return gather_rollout_shards(shards, tp)
 
     def compute_log_probs(self, batch: SampleBatch, temperature: float):
         import torch

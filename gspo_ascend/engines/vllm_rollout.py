@@ -41,14 +41,29 @@ chunked prefill is turned off on the CPU build; a reload leaves MoE experts unpa
 re-packs them); and the KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), derived from the model's shape
 and the rollout batch.
 
-How we differ from verl's vLLM rollout: verl's SPMD rollout runs vLLM inside the trainer processes
-(``external_launcher``) and moves weights with its own transport; here vLLM keeps its default process layout
-(engine core + workers, which the CPU build needs for its OpenMP binding) and one weight path, layerwise reload
-through named RPCs, serves CPU, GPU and NPU, so CI exercises the code the cluster runs.
+Rollout tensor parallelism (``rollout.tensor_parallel_size`` = t > 1 inside a ``torch.distributed`` world of
+W ranks, one device per rank: the Ray layout of :mod:`gspo_ascend.workers`). vLLM's default TP would spawn t
+workers of its own per engine, each wanting a device the rank does not own; instead the engine is built with
+``distributed_executor_backend="external_launcher"``: every rank runs one vLLM TP rank in-process (engine core
+in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM reuses our already-initialised process group as its world
+(``init_distributed_environment`` skips its own init when one exists) and cuts it into W / t TP groups of t
+consecutive ranks (its "external DP x TP" layout). The t ranks of a group must call ``generate`` with the same
+prompts and parameters in lockstep; scheduling is deterministic and the sampler draws from per-request seeded
+generators, so all t ranks return the same samples (:func:`split_rollout_prompts` / :func:`gather_rollout_shards`
+are the dispatch the driver uses). Weight sync needs no transport: each rank feeds the full HF-named stream to its
+in-process worker and vLLM's weight loaders keep their TP shard. Outside a process group (a standalone engine)
+TP > 1 keeps vLLM's own multi-process executor; TP = 1 is unchanged.
+
+How we differ from verl's vLLM rollout: verl runs vLLM inside the trainer processes (``external_launcher``) for
+every TP size and moves weights with its own transport; here TP = 1 keeps vLLM's default process layout (engine
+core + workers, which the CPU build needs for its OpenMP binding), only TP > 1 goes in-process, and one weight
+path, layerwise reload through named worker methods, serves both layouts on CPU, GPU and NPU, so CI exercises the
+code the cluster runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -130,6 +145,72 @@ def apply_env_defaults(env: dict[str, str]) -> dict[str, str]:
         elif current != value:
             log.info("vllm rollout: keeping %s=%s from the environment (default %s)", key, current, value)
     return applied
+
+
+# ----------------------------------------------------------------------------------------------- rollout TP layout
+
+_GROUP_SEED_STRIDE = 7919  # a prime: rollout group g samples with seed + 7919 * g (the TP = 1 dispatch's rule)
+
+
+def rollout_tp_groups(world_size: int, tp: int) -> list[list[int]]:
+    """The ranks of each rollout TP group: ``tp`` consecutive ranks, as vLLM's external-launcher layout cuts them
+    (``initialize_model_parallel``: world -> [external DP, DP, PP, PCP, TP], TP innermost)."""
+    if tp < 1 or world_size < 1 or world_size % tp:
+        raise ConfigError(
+            f"config key 'rollout.tensor_parallel_size' ({tp}) must divide the number of workers "
+            f"({world_size} = trainer.nnodes x trainer.devices_per_node)"
+        )
+    return [list(range(g * tp, (g + 1) * tp)) for g in range(world_size // tp)]
+
+
+def split_rollout_prompts(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, world_size: int, tp: int = 1
+) -> list[tuple[list[list[int]], SamplingParams]]:
+    """What each of ``world_size`` ranks generates: rollout group g (ranks ``g*tp .. g*tp+tp-1``) gets the g-th
+    of ``world_size // tp`` equal contiguous slices of ``prompts`` and seed ``params.seed + 7919 * g``; every rank
+    of a group gets the same slice and seed (vLLM's TP ranks must run the same requests in lockstep). With
+    ``tp = 1`` this is one slice per rank, as before rollout TP existed."""
+    groups = rollout_tp_groups(world_size, tp)
+    if len(prompts) % len(groups):
+        raise ValueError(f"{len(prompts)} prompts do not split evenly over {len(groups)} rollout groups")
+    per = len(prompts) // len(groups)
+    out = []
+    for g, ranks in enumerate(groups):
+        part = [list(p) for p in prompts[g * per : (g + 1) * per]]
+        seeded = dataclasses.replace(params, seed=params.seed + _GROUP_SEED_STRIDE * g)
+        out.extend((part, seeded) for _ in ranks)
+    return out
+
+
+def gather_rollout_shards(shards: Sequence[SampleBatch], tp: int = 1) -> SampleBatch:
+    """The inverse of :func:`split_rollout_prompts`: one batch per rank in rank order -> the rollout batch.
+
+    Takes the first rank's batch of every group (the other ``tp - 1`` hold the same samples) and shifts its
+    ``group_index`` (local to the group's slice) by the prompts of the groups before it."""
+    groups = rollout_tp_groups(len(shards), tp)
+    leaders = [shards[ranks[0]] for ranks in groups]
+    offset, parts = 0, []
+    for batch in leaders:
+        parts.append(batch.replace(group_index=batch.group_index.to(torch.long) + offset))
+        offset += int(batch.group_index.max()) + 1 if len(batch) else 0
+    return SampleBatch.concat(parts)
+
+
+def external_launcher_env(tp: int) -> dict[str, str]:
+    """Set the torchrun-style variables vLLM's external launcher reads (``RANK``, ``LOCAL_RANK``; it skips its own
+    process-group init because ours exists) from the live ``torch.distributed`` world; returns them.
+
+    ``RANK`` / ``WORLD_SIZE`` always follow the process group (a stale exported value would give vLLM a rank that
+    is not this process's). ``LOCAL_RANK`` is the device index vLLM selects: kept when the launcher exported it
+    (torchrun), else 0 -- one visible device per process, the Ray layout."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rollout_tp_groups(world, tp)  # raises the config error when tp does not divide the world
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core must run in this process, in lockstep
+    os.environ.update(env)
+    return env
 
 
 # ----------------------------------------------------------------------------------------------- worker side
@@ -246,6 +327,14 @@ class VLLMRolloutEngine:
         self._check_config()
         hf_config = _read_hf_config(model_path)
         self.env = apply_env_defaults(platform_env_defaults(backend, cfg, hf_config))
+        # rollout TP inside our process group: vLLM in-process, one TP rank per rank (module docstring)
+        tp = cfg.rollout.tensor_parallel_size
+        self.external_launcher = tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.tp_rank, self.tp_group = 0, 0  # this rank's place in its rollout TP group, and the group's index
+        if self.external_launcher:
+            launcher = external_launcher_env(tp)
+            self.env.update(launcher)
+            self.tp_rank, self.tp_group = int(launcher["RANK"]) % tp, int(launcher["RANK"]) // tp
         self.sleep_supported = False
         self._asleep: list[str] = []  # tags still asleep ("weights", "kv_cache")
         self.last_sync: dict[str, float] = {}
@@ -293,6 +382,11 @@ class VLLMRolloutEngine:
         }
         if self.host_build:
             kwargs["enable_chunked_prefill"] = False  # seeded sampling + chunked prefill crash the CPU worker
+        if self.external_launcher:
+            _keep_caller_process_group()
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            # vLLM's custom all-reduce exchanges IPC handles of peer devices; each rank sees one device (Ray)
+            kwargs["disable_custom_all_reduce"] = True
         try:
             return vllm.LLM(**kwargs)
         except ValueError as exc:  # vLLM's own config validation: keep its message, name our keys
@@ -428,11 +522,48 @@ class VLLMRolloutEngine:
             self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the engine-core and worker processes now instead of at interpreter exit."""
+        """Stop the engine-core and worker processes now instead of at interpreter exit. In-process (rollout TP)
+        this drops vLLM's TP groups, so another engine can be built here; our process group stays
+        (:func:`_keep_caller_process_group`)."""
         engine = getattr(getattr(self, "llm", None), "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def _keep_caller_process_group() -> bool:
+    """Runtime patch for vLLM (seen in 0.32): an in-process engine's shutdown must not destroy our process group.
+
+    What: ``EngineCore.shutdown`` ends with ``cleanup_dist_env_and_memory()``, which calls
+    ``destroy_distributed_environment()`` and so ``torch.distributed.destroy_process_group()``: right for an
+    engine-core process that owns its world, wrong in-process under the external launcher, where the world is the
+    trainer's (the trainer's next collective fails with "Process group cannot be None"). It runs on ``close()``
+    and from ``InprocClient``'s GC finalizer, so the fix replaces the function ``vllm.v1.engine.core`` calls (once
+    per process) with one that destroys vLLM's model-parallel groups only; vLLM's world coordinator stays for the
+    next engine (``init_distributed_environment`` reuses it). Installed only once an external-launcher engine was
+    built, when the world is necessarily the caller's. Gate: the function exists; remove when vLLM leaves a
+    pre-existing process group alone. Returns whether the patch is (now) in place.
+    """
+    import gc
+
+    try:
+        import vllm.v1.engine.core as engine_core
+        from vllm.distributed.parallel_state import destroy_model_parallel
+    except ImportError:
+        return False
+    original = getattr(engine_core, "cleanup_dist_env_and_memory", None)
+    if original is None:
+        return False
+    if getattr(original, "_gspo_keeps_world", False):
+        return True
+
+    def cleanup_model_parallel_only(shutdown_ray: bool = False) -> None:
+        destroy_model_parallel()
+        gc.collect()
+
+    cleanup_model_parallel_only._gspo_keeps_world = True  # type: ignore[attr-defined]
+    engine_core.cleanup_dist_env_and_memory = cleanup_model_parallel_only
+    return True
 
 
 def _serialize(bucket: dict[str, torch.Tensor]) -> bytes:
@@ -468,6 +599,10 @@ __all__ = [
     "WeightSyncExtension",
     "apply_env_defaults",
     "build_vllm_rollout",
+    "external_launcher_env",
+    "gather_rollout_shards",
     "kv_cache_gib",
     "platform_env_defaults",
+    "rollout_tp_groups",
+    "split_rollout_prompts",
 ]

@@ -164,3 +164,16 @@ def test_megatron_and_vllm_train_save_and_resume(tmp_path):
     assert all(0 <= r["reward/mean"] <= 1 and r["sync/bytes"] > 1e6 for r in rows)
     # vLLM's log-probs of its own samples against the Megatron engine's recompute: fp32 CPU, same weights
     assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows)
+
+
+def test_vllm_rollout_tensor_parallel_2_inside_the_training_world(tmp_path):
+    """rollout.tensor_parallel_size=2 on 2 workers: vLLM's external launcher makes the two training ranks one
+    rollout TP group (the layout the cluster configs use: TP 4 for Qwen3-30B, TP 2 for Qwen2.5-3B)."""
+    out = tmp_path / "tp2"
+    overrides = ("rollout.engine=vllm", "rollout.tensor_parallel_size=2", "trainer.devices_per_node=2")
+    small = ("trainer.total_steps=2", "data.train_batch_size=8", "rollout.n=4")
+    proc = subprocess.run(train_cmd(out, *overrides, *small), capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/logprob_gap_max"] < 1e-3 and r["sync/bytes"] > 1e6 for r in rows)

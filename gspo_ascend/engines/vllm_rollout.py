@@ -63,6 +63,7 @@ code the cluster runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -338,6 +339,8 @@ class VLLMRolloutEngine:
         self.sleep_supported = False
         self._asleep: list[str] = []  # tags still asleep ("weights", "kv_cache")
         self.last_sync: dict[str, float] = {}
+        if self.external_launcher and self.host_build:
+            _clear_stale_cpu_shm(tp)
         start = time.perf_counter()
         self.llm = self._build_llm(model_path)
         self.start_seconds = time.perf_counter() - start
@@ -529,6 +532,29 @@ class VLLMRolloutEngine:
         core = getattr(engine, "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def _clear_stale_cpu_shm(tp: int) -> None:
+    """Runtime fix for vLLM's CPU build (seen in 0.32) under the external launcher: remove this rollout group's
+    shared-memory all-reduce segments left by an earlier run, then meet at a barrier before vLLM creates them.
+
+    Why: the segment name is ``VLLM_DIST_IDENT`` + group name + ranks, and the CPU worker derives
+    ``VLLM_DIST_IDENT`` from the init method, which is ``env://`` under the external launcher, so every job on a
+    host uses the same names (``/dev/shm/-tp:0-[0-1]-cpushm_0``), and in-process shutdown never unlinks them: the
+    next run fails with "create shm in SHMManager failed. errno: 17". Consequence: two CPU jobs with rollout TP
+    cannot run on one host at the same time (they could not before this fix either). Remove when vLLM names the
+    segments per job or unlinks them."""
+    import glob
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    group = rollout_tp_groups(dist.get_world_size(), tp)[rank // tp]
+    tag = f"[{'-'.join(str(r) for r in group)}]-cpushm"
+    for path in glob.glob(f"/dev/shm/*{glob.escape(tag)}*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    dist.barrier()  # nobody deletes a segment another rank of the group has just created
 
 
 def _keep_caller_process_group() -> bool:

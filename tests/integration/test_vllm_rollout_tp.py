@@ -280,7 +280,12 @@ def test_launcher_env_follows_the_process_group(monkeypatch, tmp_path):
         with pytest.raises(ConfigError, match="rollout.tensor_parallel_size"):
             external_launcher_env(2)  # TP 2 in a world of 1
         env = external_launcher_env(1)
-        assert env == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        assert env == {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
         assert os.environ["RANK"] == "0" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         monkeypatch.setenv("LOCAL_RANK", "3")  # torchrun's device index is kept
         assert external_launcher_env(1)["LOCAL_RANK"] == "3"

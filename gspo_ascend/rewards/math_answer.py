@@ -49,13 +49,16 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+class _DropTimeoutNotice(logging.Filter):
+    # at module level: a class defined inside the function below would be a new class on every call, the
+    # isinstance check would never match, and every scored sample would add two more filters (scoring time
+    # grew linearly over a run: 0.09 s -> 1.3 s per 128-sample batch)
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
 def _quiet_math_verify() -> None:
     """Drop math-verify's one-time "Timeout is disabled" warning: we disable its alarm on purpose."""
-
-    class _DropTimeoutNotice(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return "Timeout is disabled" not in record.getMessage()
-
     for name in ("math_verify.parser", "math_verify.grader"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropTimeoutNotice) for f in logger.filters):

@@ -246,3 +246,15 @@ def test_alarm_leaves_the_callers_timer_alone():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_scoring_does_not_pile_up_logger_filters():
+    """Regression: each scored sample used to add two logging filters (linear slow-down over a run)."""
+    import logging
+
+    from gspo_ascend.rewards.math_answer import math_score
+
+    for _ in range(5):
+        math_score("so \\boxed{4}", "4")
+    for name in ("math_verify.parser", "math_verify.grader"):
+        assert len(logging.getLogger(name).filters) == 1

@@ -20,16 +20,12 @@ checkpoint and from the fsdp engine run on the same batch. Checked:
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.integration.launch import launch_ranks
 
 pytestmark = [
     pytest.mark.slow,
@@ -57,44 +53,9 @@ TWO_PROCESSES = ["dense_tp2", "dense_pp2", "dense_dp2", "moe_ep2"]
 MODEL_OF = {"moe_tp1": "moe", "moe_ep2": "moe", "dense_tp2": "dense_kv2", "fsdp_kv2": "dense_kv2"}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(world_size: int, cases: list[str], out_dir: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(world_size),
-        "OMP_NUM_THREADS": "1",
-    }
-    procs, logs = [], []
-    for rank in range(world_size):
-        log = out_dir / f"world{world_size}.rank{rank}.log"
-        logs.append(log)
-        with log.open("w") as sink:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), "--cases", ",".join(cases), "--out", str(out_dir)],
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                )
-            )
-    try:
-        codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    if any(codes):
-        tails = "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-40:]) for log in logs)
-        pytest.fail(f"megatron engine worker failed (exit codes {codes}):\n{tails}")
+    argv = [str(WORKER), "--cases", ",".join(cases), "--out", str(out_dir)]
+    launch_ranks(world_size, argv, f"world{world_size}", out_dir, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

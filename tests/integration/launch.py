@@ -1,0 +1,55 @@
+"""Launch N ranks of a worker script torchrun-style (RANK / WORLD_SIZE / MASTER_* in the environment) and wait;
+shared by the multi-process integration tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_ranks(world_size: int, argv: list[str], log_stem: str, out_dir: Path, timeout_s: float) -> None:
+    """Run ``python argv...`` once per rank; on any failure, fail the test with every rank's log tail."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",  # N ranks on 2 cores: one thread each, or they fight
+    }
+    procs, logs = [], []
+    for rank in range(world_size):
+        log = out_dir / f"{log_stem}.rank{rank}.log"
+        logs.append(log)
+        with log.open("w") as sink:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                )
+            )
+    try:
+        codes = [proc.wait(timeout=timeout_s) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if any(codes):
+        tails = "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-40:]) for log in logs)
+        pytest.fail(f"worker {argv[0]} failed (exit codes {codes}):\n{tails}")

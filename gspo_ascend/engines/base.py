@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -95,6 +96,19 @@ def check_prompt_tokens(prompts: Sequence[Sequence[int]], vocab_size: int) -> No
                 f"prompt {i} holds token id {bad[0]} outside the model's vocabulary [0, {vocab_size}); "
                 "was the data tokenized with another tokenizer? (model.tokenizer_path)"
             )
+
+
+def existing_rank_file(path: str | Path, name: str) -> Path:
+    """This rank's file of an engine checkpoint, or a one-line error when a resume points at an incomplete one."""
+    from ..errors import UserError
+
+    rank_file = Path(path) / name
+    if not rank_file.is_file():
+        raise UserError(
+            f"checkpoint '{path}' has no {name}: it is incomplete or was written by fewer ranks; "
+            "resume with the same number of ranks or from another checkpoint"
+        )
+    return rank_file
 
 
 @dataclass(frozen=True)

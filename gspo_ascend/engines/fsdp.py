@@ -42,7 +42,7 @@ import torch.distributed as dist
 from gspo_ascend.algorithms import agg_loss, count_tokens_and_seqs, get_policy_loss, kl_penalty
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
-from gspo_ascend.engines.base import SampleBatch
+from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.logprobs import forward_log_probs
 from gspo_ascend.engines.microbatch import micro_batches
@@ -435,12 +435,7 @@ class FSDPEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        rank_file = self._rank_file(path)
-        if not rank_file.is_file():
-            raise UserError(
-                f"checkpoint '{path}' has no {rank_file.name}: it is incomplete or was written by fewer ranks; "
-                "resume with the same number of ranks or from another checkpoint"
-            )
+        rank_file = existing_rank_file(path, self._rank_file(path).name)
         extra = torch.load(rank_file, weights_only=True)
         state = self._dcp_state(extra["has_optim"])
         dcp.load(state, checkpoint_id=path)

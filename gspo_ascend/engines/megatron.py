@@ -57,7 +57,7 @@ from gspo_ascend.algorithms import agg_loss, count_tokens_and_seqs, get_policy_l
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import megatron_bridge as mb
-from gspo_ascend.engines.base import SampleBatch
+from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.fsdp import (
     _combine,
     _ensure_process_group,
@@ -760,12 +760,7 @@ class MegatronEngine:
     def load_checkpoint(self, path: str) -> None:
         from megatron.core import tensor_parallel
 
-        rank_file = self._rank_file(path)
-        if not rank_file.is_file():
-            raise UserError(
-                f"checkpoint '{path}' has no {rank_file.name}: it is incomplete or was written by fewer ranks; "
-                "resume with the same number of ranks or from another checkpoint"
-            )
+        rank_file = existing_rank_file(path, self._rank_file(path).name)
         state = torch.load(rank_file, weights_only=False)  # our own file: RNG tracker states are plain objects
         if state.get("layout") != self._layout_tag():
             raise UserError(

@@ -28,24 +28,29 @@ MixedPrecisionPolicy with float32 gradient reduction. float16 is refused (it nee
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gspo_ascend.algorithms import agg_loss, count_tokens_and_seqs, get_policy_loss, kl_penalty
+from gspo_ascend.algorithms import count_tokens_and_seqs, get_policy_loss
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.logprobs import forward_log_probs
 from gspo_ascend.engines.microbatch import micro_batches
+from gspo_ascend.engines.train_common import (
+    MinibatchRecord,
+    ensure_process_group,
+    on_device,
+    policy_objective,
+    select_device,
+    update_metrics,
+    warmup_factor,
+)
 from gspo_ascend.errors import ConfigError, UserError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -56,81 +61,6 @@ _MEGATRON_ONLY_SIZES = (
     "expert_parallel_size",
     "expert_tensor_parallel_size",
 )
-_SUM_KEYS = ("pg_loss", "kl_ref", "num_tokens", "num_seqs")  # already globally normalised / plain counts
-
-
-def warmup_factor(warmup_steps: int):
-    """LambdaLR factor: optimizer step s (0-based) runs at lr * min(1, (s + 1) / warmup_steps)."""
-
-    def factor(step: int) -> float:
-        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
-
-    return factor
-
-
-def _combine(totals: dict[str, float]) -> dict[str, float]:
-    """One minibatch's metric values from its rank-summed weighted sums (``_Minibatch.add``)."""
-    values = {}
-    for key, total in totals.items():
-        if key in ("micro", "oversized_samples"):  # bookkeeping, reported separately
-            continue
-        kind = _metric_kind(key)
-        denominator = 1.0 if kind == "sum" else totals.get(kind, 0.0)
-        values[key] = total / denominator if denominator > 0 else 0.0
-    return values
-
-
-def _metric_kind(key: str) -> str:
-    """How a loss metric combines over micro-batches and ranks (see policy_loss.py's metric list)."""
-    if key in _SUM_KEYS:
-        return "sum"
-    if key in ("seq_ratio_min", "seq_ratio_max"):
-        return key[-3:]
-    if key.endswith("_token"):
-        return "num_tokens"  # a token-mean: weight by the micro-batch's response tokens
-    if key.endswith("_seq") or key == "seq_ratio_mean":
-        return "num_seqs"
-    return "micro"  # unknown: plain mean over micro-batches
-
-
-@dataclass
-class _Minibatch:
-    """What one minibatch leaves behind on this rank: local weighted metric sums and the step outcome."""
-
-    sums: dict[str, float] = field(default_factory=dict)
-    mins: dict[str, float] = field(default_factory=dict)
-    maxs: dict[str, float] = field(default_factory=dict)
-    passes: int = 0  # forward/backward passes, dummies included
-    skipped: bool = False
-    grad_norm: float = math.nan
-    lr: float = math.nan
-
-    def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        keys = list(metrics)  # one device->host copy for all of them, not one sync per metric
-        values = dict(zip(keys, torch.stack([metrics[k].double() for k in keys]).tolist(), strict=True))
-        self.sums["micro"] = self.sums.get("micro", 0.0) + 1.0
-        for key, value in values.items():
-            kind = _metric_kind(key)
-            if kind in ("min", "max"):
-                if values.get("num_seqs", 1.0) > 0:  # an empty micro-batch reports 1.0, not a ratio
-                    book, pick = (self.mins, min) if kind == "min" else (self.maxs, max)
-                    book[key] = pick(book.get(key, value), value)
-            elif kind == "sum":
-                self.sums[key] = self.sums.get(key, 0.0) + value
-            else:
-                weight = 1.0 if kind == "micro" else values.get(kind, 1.0)
-                self.sums[key] = self.sums.get(key, 0.0) + value * weight
-
-
-def _on_device(method):
-    """Run an engine method with the weights on the device (matters with actor.offload)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._resident():
-            return method(self, *args, **kwargs)
-
-    return wrapper
 
 
 class FSDPEngine:
@@ -143,9 +73,9 @@ class FSDPEngine:
         exactness tests (then model.dtype=float32 computes in float64 too)."""
         _check_config(cfg)
         self.cfg, self.backend = cfg, backend
-        self.owns_process_group = _ensure_process_group(backend)
+        self.owns_process_group = ensure_process_group(backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = _select_device(backend, self.rank)
+        self.device = select_device(backend, self.rank)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(backend.torch_device_type, (self.world_size,), mesh_dim_names=("dp",))
@@ -252,7 +182,7 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------------------------------- contract
 
-    @_on_device
+    @on_device
     def compute_log_probs(self, batch: SampleBatch, temperature: float) -> torch.Tensor:
         """[B, R] float32 on the host, no grad, micro-batched like ``update``."""
         micros, plan, passes = self._micro_batches(batch)
@@ -265,7 +195,7 @@ class FSDPEngine:
                     out[plan.groups[i]] = lp.float().cpu()
         return out
 
-    @_on_device
+    @on_device
     def update(self, batch: SampleBatch, temperature: float) -> dict[str, float]:
         if batch.old_log_probs is None or batch.advantages is None:
             raise ValueError("update needs a batch with old_log_probs and advantages set")
@@ -283,8 +213,8 @@ class FSDPEngine:
             records.append(record)
         return self._metrics(records)
 
-    @_on_device
-    def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> _Minibatch:
+    @on_device
+    def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> MinibatchRecord:
         """Forward/backward every micro-batch of one minibatch; gradients are left in the parameters.
 
         Public for tests and tools that want the gradient of a minibatch without an optimizer step.
@@ -292,7 +222,7 @@ class FSDPEngine:
         micros, plan, passes = self._micro_batches(minibatch)
         tokens, seqs = count_tokens_and_seqs(minibatch.response_mask)
         global_tokens, global_seqs = self._all_reduce([int(tokens), int(seqs)]).tolist()
-        record = _Minibatch(passes=passes)
+        record = MinibatchRecord(passes=passes)
         record.sums["oversized_samples"] = float(plan.oversized)
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         norm_length = minibatch.response_ids.shape[1]  # the same T_norm for every micro-batch
@@ -314,26 +244,15 @@ class FSDPEngine:
         mask = micro.response_mask.to(d)
         log_prob = self._log_probs(self.model, micro, temperature)
         counts = {"global_tokens": global_tokens, "global_seqs": global_seqs, "norm_length": norm_length}
-        loss, metrics = self.policy_loss(
-            log_prob,
-            micro.old_log_probs.to(d),
-            micro.advantages.to(d),
-            mask,
-            clip_low=alg.clip_ratio_low,
-            clip_high=alg.clip_ratio_high,
-            clip_ratio_c=alg.clip_ratio_c,
-            agg_mode=alg.loss_agg_mode,
-            **counts,
-        )
+        ref = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref = self._log_probs(self.ref_model, micro, temperature)
-            kl = agg_loss(kl_penalty(alg.kl_estimator, log_prob, ref, mask), mask, alg.loss_agg_mode, **counts)
-            loss = loss + alg.kl_coef * kl
-            metrics = {**metrics, "kl_ref": kl.detach()}
-        return loss, metrics
+        return policy_objective(
+            self.policy_loss, alg, log_prob, micro.old_log_probs.to(d), micro.advantages.to(d), mask, counts, ref
+        )
 
-    def _step(self, record: _Minibatch) -> None:
+    def _step(self, record: MinibatchRecord) -> None:
         """Clip + optimizer step + scheduler step, or, on a non-finite loss/grad norm on any rank, skip both."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, error_if_nonfinite=False)
@@ -351,35 +270,8 @@ class FSDPEngine:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _metrics(self, records: list[_Minibatch]) -> dict[str, float]:
-        """Global per-minibatch metrics (two all-reduces for the whole update), then the mean over the
-        minibatches that stepped (over all of them when none did)."""
-        sum_keys = sorted({k for r in records for k in r.sums})
-        min_keys = sorted({k for r in records for k in r.mins})
-        max_keys = sorted({k for r in records for k in r.maxs})
-        sums = self._all_reduce([[r.sums.get(k, 0.0) for k in sum_keys] for r in records])
-        # MIN and MAX in one MAX all-reduce: min x = -max(-x); +-inf = no non-empty sequence anywhere
-        ext = [
-            [-r.mins.get(k, math.inf) for k in min_keys] + [r.maxs.get(k, -math.inf) for k in max_keys] for r in records
-        ]
-        ext = self._all_reduce(ext, dist.ReduceOp.MAX)
-        per_mb = []
-        for j in range(len(records)):
-            totals = dict(zip(sum_keys, sums[j].tolist(), strict=True))
-            values = _combine(totals)
-            for key, value in zip(min_keys + max_keys, ext[j].tolist(), strict=True):
-                values[key] = 1.0 if math.isinf(value) else (-value if key in min_keys else value)
-            per_mb.append(values)
-        stepped = [j for j, r in enumerate(records) if not r.skipped] or list(range(len(records)))
-        out = {f"actor/{k}": sum(per_mb[j][k] for j in stepped) / len(stepped) for k in per_mb[0]}
-        norms = [r.grad_norm for r in records if not r.skipped]
-        lrs = [r.lr for r in records if not r.skipped]
-        out["actor/grad_norm"] = sum(norms) / len(norms) if norms else math.nan
-        out["actor/lr"] = lrs[-1] if lrs else float(self.optimizer.param_groups[0]["lr"])
-        out["actor/nan_steps_skipped"] = float(sum(r.skipped for r in records))
-        out["actor/micro_batches"] = float(sum(r.passes for r in records))
-        out["actor/oversized_samples"] = float(sums[:, sum_keys.index("oversized_samples")].sum())
-        return out
+    def _metrics(self, records: list[MinibatchRecord]) -> dict[str, float]:
+        return update_metrics(records, self.device, float(self.optimizer.param_groups[0]["lr"]))
 
     # ------------------------------------------------------------------------------------------- weights
 
@@ -392,7 +284,7 @@ class FSDPEngine:
                 full = full.detach()
                 yield name, full.to(self.compute_dtype) if full.is_floating_point() else full
 
-    @_on_device
+    @on_device
     def save_hf(self, path: str, tokenizer: Any) -> None:
         """safetensors (sharded at 5 GiB) + config + generation config + tokenizer, written by rank 0."""
         state = self.model.state_dict()
@@ -414,7 +306,7 @@ class FSDPEngine:
     def _rank_file(self, path: str) -> Path:
         return Path(path) / f"engine_rank{self.rank}.pt"
 
-    @_on_device
+    @on_device
     def save_checkpoint(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
 
@@ -430,7 +322,7 @@ class FSDPEngine:
         torch.save(extra, self._rank_file(path))
         dist.barrier()
 
-    @_on_device
+    @on_device
     def load_checkpoint(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -491,19 +383,3 @@ def _check_config(cfg: Config) -> None:
             "config key 'algorithm.minibatches_per_rollout' is unresolved; load the config with "
             "gspo_ascend.config.load_config (it derives it from actor.ppo_mini_batch_size)"
         )
-
-
-def _ensure_process_group(backend: Backend) -> bool:
-    """Join the existing world, or make a one-process group (an in-process store: no port, no file)."""
-    if dist.is_initialized():
-        return False
-    dist.init_process_group(backend.comm_backend, store=dist.HashStore(), rank=0, world_size=1)
-    return True
-
-
-def _select_device(backend: Backend, rank: int) -> torch.device:
-    if backend.torch_device_type == "cpu":
-        return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, backend.device_count())))
-    backend.set_device(local_rank)
-    return backend.device(local_rank)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import logging
 import math
@@ -53,21 +52,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gspo_ascend.algorithms import agg_loss, count_tokens_and_seqs, get_policy_loss, kl_penalty
+from gspo_ascend.algorithms import count_tokens_and_seqs, get_policy_loss
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import megatron_bridge as mb
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
-from gspo_ascend.engines.fsdp import (
-    _combine,
-    _ensure_process_group,
-    _Minibatch,
-    _select_device,
-    warmup_factor,
-)
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.logprobs import response_lengths
 from gspo_ascend.engines.microbatch import micro_batches
+from gspo_ascend.engines.train_common import (
+    MinibatchRecord,
+    ensure_process_group,
+    on_device,
+    policy_objective,
+    select_device,
+    update_metrics,
+    warmup_factor,
+)
 from gspo_ascend.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
@@ -291,15 +292,6 @@ def vocab_parallel_log_probs(logits: torch.Tensor, micro: _Micro, temperature: f
 # ----------------------------------------------------------------------------------------------- the engine
 
 
-def _on_device(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._resident():
-            return method(self, *args, **kwargs)
-
-    return wrapper
-
-
 class MegatronEngine:
     """TrainEngine (engines/base.py) over megatron-core; see the module docstring."""
 
@@ -307,9 +299,9 @@ class MegatronEngine:
         """``force_offload``: run the actor.offload mechanism even on CPU (where it only costs time), for tests."""
         _check_config(cfg, backend)
         self.cfg, self.backend = cfg, backend
-        self.owns_process_group = _ensure_process_group(backend)
+        self.owns_process_group = ensure_process_group(backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = _select_device(backend, self.rank)
+        self.device = select_device(backend, self.rank)
         _import_megatron(backend)
         self.model_path = model_path
         self.hf_config = mb.load_hf_config(model_path)
@@ -533,7 +525,7 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------------------- contract
 
-    @_on_device
+    @on_device
     def compute_log_probs(self, batch: SampleBatch, temperature: float) -> torch.Tensor:
         """[B, R] float32 on the host, no grad, for this rank's rows."""
         shards = self._group_shards(batch)
@@ -541,7 +533,7 @@ class MegatronEngine:
         start = sum(len(s) for s in shards[: self.mp_rank])
         return full[start : start + len(batch)]
 
-    @_on_device
+    @on_device
     def update(self, batch: SampleBatch, temperature: float) -> dict[str, float]:
         if batch.old_log_probs is None or batch.advantages is None:
             raise ValueError("update needs a batch with old_log_probs and advantages set")
@@ -559,8 +551,8 @@ class MegatronEngine:
             records.append(record)
         return self._metrics(records)
 
-    @_on_device
-    def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> _Minibatch:
+    @on_device
+    def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> MinibatchRecord:
         """Forward/backward every micro-batch of one (model-parallel group) minibatch; the reduced gradients are
         left in megatron's buffers. Public for tests that want a gradient without an optimizer step."""
         tokens, seqs = count_tokens_and_seqs(minibatch.response_mask)
@@ -574,7 +566,7 @@ class MegatronEngine:
         if self.ref_models is not None:
             ref = self._forward_only(self.ref_models, minibatch, temperature)
         micros = self._micros(minibatch, ref)
-        record = _Minibatch(passes=len(micros))
+        record = MinibatchRecord(passes=len(micros))
         if self.reports:
             record.sums["oversized_samples"] = float(self._oversized)
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -601,26 +593,18 @@ class MegatronEngine:
     def _micro_loss(self, log_prob: torch.Tensor, micro: _Micro, counts: dict[str, Any]):
         d, alg, sample = self.device, self.cfg.algorithm, micro.sample
         mask = sample.response_mask.to(d)
-        loss, metrics = self.policy_loss(
+        return policy_objective(
+            self.policy_loss,
+            alg,
             log_prob,
             sample.old_log_probs.to(d),
             sample.advantages.to(d),
             mask,
-            clip_low=alg.clip_ratio_low,
-            clip_high=alg.clip_ratio_high,
-            clip_ratio_c=alg.clip_ratio_c,
-            agg_mode=alg.loss_agg_mode,
-            **counts,
+            counts,
+            micro.ref_log_probs,
         )
-        if micro.ref_log_probs is not None:
-            kl = agg_loss(
-                kl_penalty(alg.kl_estimator, log_prob, micro.ref_log_probs, mask), mask, alg.loss_agg_mode, **counts
-            )
-            loss = loss + alg.kl_coef * kl
-            metrics = {**metrics, "kl_ref": kl.detach()}
-        return loss, metrics
 
-    def _step(self, record: _Minibatch) -> None:
+    def _step(self, record: MinibatchRecord) -> None:
         """Clip + optimizer step, or, on a non-finite loss (any rank) or grad norm, skip it and the warm-up step.
         megatron's own ``optimizer.step()`` would step on a NaN norm without a loss scaler, so we take it apart
         into its public pieces: prepare_grads, get_grad_norm, clip, step_with_ready_grads."""
@@ -647,39 +631,9 @@ class MegatronEngine:
         self.optimizer_steps += 1
         record.grad_norm, record.lr = norm, lr
 
-    def _metrics(self, records: list[_Minibatch]) -> dict[str, float]:
-        """fsdp's metrics: per-minibatch global values (reporting ranks' sums over all ranks), then the mean over
-        the minibatches that stepped. Ranks that do not report contribute zeros / +-inf."""
-        local = tuple(sorted({k for r in records for k in getattr(r, book)}) for book in ("sums", "mins", "maxs"))
-        keys: list[Any] = [local] * self.world_size
-        if self.world_size > 1:  # ranks that do not report have no metric keys
-            dist.all_gather_object(keys, local)
-        sum_keys, min_keys, max_keys = (sorted({k for entry in keys for k in entry[i]}) for i in range(3))
-        sums = self._all_reduce([[r.sums.get(k, 0.0) for k in sum_keys] for r in records])
-        ext = [
-            [-r.mins.get(k, math.inf) for k in min_keys] + [r.maxs.get(k, -math.inf) for k in max_keys] for r in records
-        ]
-        ext = self._all_reduce(ext, dist.ReduceOp.MAX) if min_keys or max_keys else None
-        per_mb = []
-        for j in range(len(records)):
-            values = _combine(dict(zip(sum_keys, sums[j].tolist(), strict=True)))
-            if ext is not None:
-                for key, value in zip(min_keys + max_keys, ext[j].tolist(), strict=True):
-                    values[key] = 1.0 if math.isinf(value) else (-value if key in min_keys else value)
-            per_mb.append(values)
-        stepped = [j for j, r in enumerate(records) if not r.skipped] or list(range(len(records)))
-        out = {f"actor/{k}": sum(per_mb[j][k] for j in stepped) / len(stepped) for k in per_mb[0]}
-        norms = [r.grad_norm for r in records if not r.skipped]
-        lrs = [r.lr for r in records if not r.skipped]
-        out["actor/grad_norm"] = sum(norms) / len(norms) if norms else math.nan
-        out["actor/lr"] = (
-            lrs[-1] if lrs else self.cfg.actor.lr * warmup_factor(self.cfg.actor.warmup_steps)(self.optimizer_steps)
-        )
-        out["actor/nan_steps_skipped"] = float(sum(r.skipped for r in records))
-        out["actor/micro_batches"] = float(sum(r.passes for r in records))
-        index = sum_keys.index("oversized_samples") if "oversized_samples" in sum_keys else None
-        out["actor/oversized_samples"] = float(sums[:, index].sum()) if index is not None else 0.0
-        return out
+    def _metrics(self, records: list[MinibatchRecord]) -> dict[str, float]:
+        lr = self.cfg.actor.lr * warmup_factor(self.cfg.actor.warmup_steps)(self.optimizer_steps)
+        return update_metrics(records, self.device, lr)
 
     # ------------------------------------------------------------------------------------------- weights
 
@@ -691,7 +645,7 @@ class MegatronEngine:
             for name, tensor in self.layout.convert(stream):
                 yield name, tensor.detach().to(self.compute_dtype).contiguous()
 
-    @_on_device
+    @on_device
     def save_hf(self, path: str, tokenizer: Any) -> None:
         """safetensors (sharded at 5 GiB) + config + generation config + tokenizer, written by rank 0."""
         generation_config = None
@@ -728,7 +682,7 @@ class MegatronEngine:
             "distributed_optimizer": int(a.use_distributed_optimizer),
         }
 
-    @_on_device
+    @on_device
     def save_checkpoint(self, path: str) -> None:
         """This rank's model shard, optimizer shard (inner AdamW state + float32 main weights), warm-up position and
         RNG states (CPU, device, megatron's TP RNG tracker) into ``megatron_rank{r}.pt``: bitwise resume at the
@@ -756,7 +710,7 @@ class MegatronEngine:
         torch.save(state, self._rank_file(path))
         dist.barrier()
 
-    @_on_device
+    @on_device
     def load_checkpoint(self, path: str) -> None:
         from megatron.core import tensor_parallel
 

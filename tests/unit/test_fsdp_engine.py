@@ -340,7 +340,7 @@ def test_non_finite_minibatch_is_skipped_and_counted(model_path):
 
 
 def test_linear_warmup_then_constant(model_path):
-    from gspo_ascend.engines.fsdp import warmup_factor
+    from gspo_ascend.engines.train_common import warmup_factor
 
     assert [warmup_factor(4)(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert warmup_factor(0)(0) == 1.0

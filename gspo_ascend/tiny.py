@@ -44,6 +44,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]  # what a Qwen3 forward takes (no token_type_ids)
 QUESTION = "What is {a} {op} {b}? Put the final answer in \\boxed{{}}."
 
 
@@ -146,7 +147,13 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 512, max_operand: int = 9):
     )
     tok.train_from_iterator(_corpus(seed, max_operand), trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE, model_max_length=1024
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1024,
+        # transformers 4.x's PreTrainedTokenizerFast also returns token_type_ids, which Qwen3's generate() rejects
+        model_input_names=list(MODEL_INPUT_NAMES),
     )
 
 
@@ -268,6 +275,8 @@ def sample_accuracy(model, tokenizer, records: list[dict], *, temperature: float
     tokenizer.padding_side = "left"  # decoder-only batch generation: pad on the left, generate on the right
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in records]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    # only what the model takes: a tokenizer saved by an older release may add token_type_ids on transformers 4.x
+    enc = {k: enc[k] for k in MODEL_INPUT_NAMES}
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -420,28 +429,34 @@ def _save(out: Path, model, tokenizer, manifest: dict) -> None:
 
 
 def _portable_model_config(path: Path) -> None:
-    """Also write the transformers-4.x spellings (``rope_theta``, ``num_experts``) next to the 5.x ones.
+    """Write both the transformers-4.x and 5.x spellings (``rope_theta`` / ``rope_parameters``, ``num_experts`` /
+    ``num_local_experts``), whichever release saved the file.
 
-    transformers 5 saves ``rope_parameters`` and ``num_local_experts``; a 4.x reader (and tools reading
-    config.json directly, e.g. weight converters) would silently fall back to defaults such as 128 experts.
-    transformers 5 reads the extra keys as aliases of the same values.
+    transformers 5 saves ``rope_parameters`` and ``num_local_experts``, 4.57 saves ``rope_theta`` and
+    ``num_experts``; a reader of the other release (and tools reading config.json directly, e.g. weight
+    converters) would silently fall back to defaults such as 128 experts. Each release reads the other's keys as
+    aliases of the same values (4.x keeps them as plain attributes).
     """
     config = json.loads(path.read_text())
-    config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", 10000.0)
-    if "num_local_experts" in config:
-        config["num_experts"] = config["num_local_experts"]
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+    config["rope_parameters"], config["rope_theta"] = rope, rope["rope_theta"]
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    if experts is not None:
+        config["num_experts"] = config["num_local_experts"] = experts
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _portable_tokenizer_config(path: Path) -> None:
-    """Name the class every transformers (4.x and 5.x) knows and inline the chat template.
+    """Name the class every transformers (4.x and 5.x) knows, inline the chat template, list the model inputs.
 
     transformers 5 writes ``TokenizersBackend`` and a separate ``chat_template.jinja``; transformers 4.x (which
     some vLLM / vllm-ascend releases pin) knows neither, and loads ``PreTrainedTokenizerFast`` + the template from
-    this file. transformers 5 maps that class name back to its fast backend.
+    this file. transformers 5 maps that class name back to its fast backend. 4.x's fast tokenizer would also return
+    ``token_type_ids`` unless ``model_input_names`` says otherwise.
     """
     config = json.loads(path.read_text())
     config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE, padding_side="left")
+    config["model_input_names"] = list(MODEL_INPUT_NAMES)
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 

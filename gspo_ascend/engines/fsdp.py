@@ -118,10 +118,13 @@ class FSDPEngine:
         if self.compute_dtype != self.master_dtype:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.master_dtype)
         layer_types = set(getattr(model, "_no_split_modules", None) or ())
-        for module in model.modules():  # one FSDP unit per decoder layer, then the rest in the root unit
-            if type(module).__name__ in layer_types:
-                fully_shard(module, mesh=self.mesh, mp_policy=mp)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        units = [module for module in model.modules() if type(module).__name__ in layer_types]
+        for unit in [*units, model]:  # one FSDP unit per decoder layer, then the rest in the root unit
+            fully_shard(unit, mesh=self.mesh, mp_policy=mp)
+            # gloo has no averaging reduce-scatter, and torch 2.8's gloo silently sums for ReduceOp.AVG (DP2
+            # gradients came out doubled): have FSDP sum and divide itself, which is exact on every torch
+            if self.backend.comm_backend == "gloo" and hasattr(unit, "set_force_sum_reduction_for_comms"):
+                unit.set_force_sum_reduction_for_comms(True)
         if not trainable:
             model.requires_grad_(False)
             model.eval()

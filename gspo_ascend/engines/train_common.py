@@ -14,8 +14,20 @@ import torch
 import torch.distributed as dist
 
 from gspo_ascend.device import Backend
+from gspo_ascend.errors import UserError
 
 _SUM_KEYS = ("pg_loss", "kl_ref", "num_tokens", "num_seqs")  # already globally normalised / plain counts
+
+
+def check_update_batch(batch, minibatches: int) -> None:
+    """What ``update`` needs of this rank's shard: old log-probs, advantages, and ``minibatches`` equal parts."""
+    if batch.old_log_probs is None or batch.advantages is None:
+        raise ValueError("update needs a batch with old_log_probs and advantages set")
+    if len(batch) % minibatches:
+        raise UserError(
+            f"this rank's shard of {len(batch)} samples cannot be split into "
+            f"algorithm.minibatches_per_rollout={minibatches} minibatches; make the per-rank batch a multiple of it"
+        )
 
 
 def warmup_factor(warmup_steps: int):

@@ -517,12 +517,17 @@ def _matplotlib():
     return Figure, FigureCanvasAgg
 
 
+def _panels(n: int):
+    """A figure (Agg canvas, no pyplot state) with ``n`` side-by-side axes."""
+    figure_cls, canvas_cls = _matplotlib()
+    fig = figure_cls(figsize=(5.2 * n, 3.9), dpi=100)
+    canvas_cls(fig)
+    return fig, fig.subplots(1, n, squeeze=False)[0]
+
+
 def plot_figure(path: Path, results: dict, models: list[str], ylabel: str, key: str, log: bool) -> None:
     """One panel per model, GSPO vs GRPO: mean over seeds, shaded +- sd (Agg canvas, no pyplot state)."""
-    figure_cls, canvas_cls = _matplotlib()
-    fig = figure_cls(figsize=(5.2 * len(models), 3.9), dpi=100)
-    canvas_cls(fig)
-    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    fig, axes = _panels(len(models))
     for ax, model in zip(axes, models, strict=True):
         for algo in ALGOS:
             runs = results.get((model, algo))
@@ -550,10 +555,7 @@ def plot_figure(path: Path, results: dict, models: list[str], ylabel: str, key: 
 
 def plot_seeds(path: Path, results: dict, models: list[str], key: str = "reward/mean") -> None:
     """Every seed's own curve: a mean over seeds hides a single seed's collapse."""
-    figure_cls, canvas_cls = _matplotlib()
-    fig = figure_cls(figsize=(5.2 * len(models), 3.9), dpi=100)
-    canvas_cls(fig)
-    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    fig, axes = _panels(len(models))
     for ax, model in zip(axes, models, strict=True):
         for algo in ALGOS:
             for seed, records in enumerate(results.get((model, algo), [])):

@@ -53,7 +53,7 @@ def checkpoints_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / CHECKPOINT_DIR
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """fsync a file or a directory (a directory fsync makes renames and new entries in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -100,8 +100,8 @@ def _fsync_tree(directory: Path) -> None:
     # writers (torch.save, safetensors) do not fsync; without this the marker could reach the disk before
     # the data it vouches for, and a power loss would leave a "complete" checkpoint with empty files
     for path in sorted(directory.rglob("*"), reverse=True):
-        _fsync_path(path)
-    _fsync_path(directory)
+        fsync_path(path)
+    fsync_path(directory)
 
 
 def commit(
@@ -122,7 +122,7 @@ def commit(
     _write_durable(tmp / TRAINER_STATE, state_text + "\n")
     _fsync_tree(tmp)
     _write_durable(tmp / COMPLETE_MARKER, json.dumps({"step": step, "files": _manifest(tmp)}, indent=1) + "\n")
-    _fsync_path(tmp)
+    fsync_path(tmp)
     root, final = tmp.parent, tmp.parent / name
     old = None
     if final.exists():
@@ -131,7 +131,7 @@ def commit(
             shutil.rmtree(old)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_path(root)
+    fsync_path(root)
     if old is not None:
         shutil.rmtree(old)
     if keep_last is not None:
@@ -248,7 +248,7 @@ def cleanup_stale(output_dir: str | os.PathLike) -> list[Path]:
         final = root / checkpoint_name(int(match.group(1)))
         if old and not final.exists() and _contents_problem(path, int(match.group(1))) is None:
             os.rename(path, final)
-            _fsync_path(root)
+            fsync_path(root)
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

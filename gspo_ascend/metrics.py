@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from .checkpoint import fsync_path
 from .errors import ConfigError, UserError
 
 JSONL_NAME = "metrics.jsonl"
@@ -118,14 +119,6 @@ class _ConsoleSink:
             self.progress = None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _parse_lines(text: str, path: Path) -> list[dict]:
     """Records of a metrics.jsonl text; a torn last line (a kill mid-write) is dropped, a bad middle line is not."""
     lines = text.split("\n")
@@ -160,7 +153,7 @@ class _JsonlSink:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)  # atomic: a kill here leaves either the old or the truncated file
-        _fsync_dir(self.path.parent)
+        fsync_path(self.path.parent)
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         self.file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")

@@ -28,3 +28,15 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> sub
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's in-process model work: the tiny models gain nothing from more, and on
+    a shared 2-core box two OpenMP threads that fight other processes make every small op ~10-40x slower."""
+    import torch  # lazily: importing this module must not import torch for tests that check import order
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

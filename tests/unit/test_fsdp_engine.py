@@ -33,13 +33,7 @@ from tests.unit.fsdp_worker import (
 R = 6  # response width of the test batches
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # two intra-op threads on two shared cores spin against each other: ~40x slower per small op
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

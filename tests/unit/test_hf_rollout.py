@@ -28,14 +28,7 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model is too small to gain from intra-op threads, and on a shared 2-core box two OpenMP threads
-    that fight other processes make every forward ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from .errors import UserError
 
-RECIPE_VERSION = 1  # bump when the recipe changes: ensure_tiny_model() then rebuilds cached models
+RECIPE_VERSION = 2  # bump when the recipe changes: ensure_tiny_model() then rebuilds cached models
+# 2: the tokenizer lists model_input_names (transformers 4.x would add token_type_ids); weights unchanged
 SYNTHETIC_DATA_SOURCE = "gspo_ascend/synthetic_arithmetic"
 MANIFEST = "gspo_tiny_manifest.json"
 PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -275,8 +276,6 @@ def sample_accuracy(model, tokenizer, records: list[dict], *, temperature: float
     tokenizer.padding_side = "left"  # decoder-only batch generation: pad on the left, generate on the right
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in records]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    # only what the model takes: a tokenizer saved by an older release may add token_type_ids on transformers 4.x
-    enc = {k: enc[k] for k in MODEL_INPUT_NAMES}
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     torch.manual_seed(seed)
     with torch.no_grad():

@@ -57,6 +57,7 @@ from ._core import (
 )
 
 NAME = "npu_fusion"
+_TND_MAX_SEQS = 1024  # torch_npu 2.7.1: "varlen场景下长度最大支持1K" sequences per call
 # transformers releases whose flash_attention_2 path insists on the flash_attn package even on NPU (PR #39474 /
 # #40002 introduced it, #39844 / #40151 fixed it, 4.55.3 missed the cherry-pick: issue #40262). Field reports
 # hit it on 4.53.x; 4.55.1 / 4.55.2 may be fixed but are not verified, so the whole span is treated as broken.
@@ -177,10 +178,19 @@ def _varlen(npu, query, key, value, plan, scale: float, keep_prob: float, causal
         return flat if indices is None else flat.index_select(0, indices)
 
     mask = {"atten_mask": _compressed_causal_mask(query.device), "sparse_mode": 3} if causal else {}
-    out = npu.npu_fusion_attention(
-        tokens(query), tokens(key), tokens(value), heads, "TND", scale=scale, keep_prob=keep_prob,
-        actual_seq_qlen=tuple(ends_q), actual_seq_kvlen=tuple(ends_k), **mask,
-    )[0]  # [T, N, Dv]  # fmt: skip
+    q, k, v = tokens(query), tokens(key), tokens(value)
+    outs = []
+    # torch_npu 2.7.1 takes at most 1024 sequences per TND call (op docs): longer plans go in chunks.
+    for first in range(0, len(ends_q), _TND_MAX_SEQS):
+        cq, ck = ends_q[first : first + _TND_MAX_SEQS], ends_k[first : first + _TND_MAX_SEQS]
+        q0, k0 = (ends_q[first - 1], ends_k[first - 1]) if first else (0, 0)
+        outs.append(npu.npu_fusion_attention(
+            q[q0 : cq[-1]], k[k0 : ck[-1]], v[k0 : ck[-1]], heads, "TND", scale=scale, keep_prob=keep_prob,
+            actual_seq_qlen=[e - q0 for e in cq], actual_seq_kvlen=[e - k0 for e in ck], **mask,
+        )[0])  # [t, N, Dv]  # fmt: skip
+    if (tail := q.shape[0] - ends_q[-1]) > 0:  # tokens after the last sequence attend to nothing: 0, as before
+        outs.append(outs[0].new_zeros(tail, *outs[0].shape[1:]))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, N, Dv]
     if indices is not None:  # pad rows get 0, as transformers' flash path does
         out = out.new_zeros(batch * seq, heads, out.shape[-1]).index_copy(0, indices, out)
     return out.view(batch, seq, heads, -1)
@@ -271,9 +281,20 @@ def _attention_entry(ctx: PatchContext) -> PatchEntry:
         return PatchEntry("attention", target, SKIPPED, f"sliding window {window}: model keeps {current}")
     if current not in _ROUTABLE:
         return PatchEntry("attention", target, SKIPPED, f"model uses {current!r}; left unchanged")
+    if problem := _fa_limit_problem(config):
+        return PatchEntry("attention", target, SKIPPED, f"{problem}: model keeps {current}")
     switch, before = switch_attn_implementation(config, NAME, ctx.family)
     status = APPLIED if APPLIED in (status, switch) else ALREADY
     return PatchEntry("attention", target, status, f"npu_fusion_attention; model {before} -> {NAME}")
+
+
+def _fa_limit_problem(config: Any) -> str | None:
+    """Why npu_fusion_attention (torch_npu 2.7.1 op docs: head dim 1-768, 1-256 query heads) cannot take it."""
+    heads = getattr(config, "num_attention_heads", 0)
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(heads, 1)
+    if not (1 <= head_dim <= 768 and 1 <= heads <= 256):
+        return f"head dim {head_dim} / {heads} heads outside npu_fusion_attention's 768 / 256"
+    return None
 
 
 def _transformers_sees_npu() -> bool:

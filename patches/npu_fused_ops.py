@@ -85,21 +85,26 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def _make_rotary(original: Any, layout: str):
     """The replacement for ``apply_rotary_pos_emb`` with the gated version's exact signature."""
 
-    def _usable(q: torch.Tensor, cos: torch.Tensor) -> bool:
-        # Partial rotary (cos narrower than the head) is not what npu_rotary_mul computes: keep HF's code.
-        return cos.shape[-1] == q.shape[-1]
+    def _usable(q: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int) -> bool:
+        # Partial rotary (cos narrower than the head) is not what npu_rotary_mul computes: keep HF's code. So do
+        # shapes outside torch_npu 2.7.1's half-mode limits (op docs): 4-D (BNSD, or BSND for unsqueeze_dim=2),
+        # D even and < 896, B, N < 1000, B*N <= 1024 when cos / sin need gradients (not so in HF's rotary).
+        if cos.shape[-1] != q.shape[-1] or q.dim() != 4 or q.shape[-1] % 2 or q.shape[-1] >= 896:
+            return False
+        b, n = q.shape[0], q.shape[1 if unsqueeze_dim == 1 else 2]
+        return b < 1000 and n < 1000 and (not cos.requires_grad or b * n <= 1024)
 
     if layout == "v4":
 
         def npu_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-            if not _usable(q, cos):
+            if not _usable(q, cos, unsqueeze_dim):
                 return original(q, k, cos, sin, position_ids, unsqueeze_dim)
             return _rotate(q, k, cos, sin, unsqueeze_dim)
 
     else:
 
         def npu_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-            if not _usable(q, cos):
+            if not _usable(q, cos, unsqueeze_dim):
                 return original(q, k, cos, sin, unsqueeze_dim)
             return _rotate(q, k, cos, sin, unsqueeze_dim)
 

@@ -12,9 +12,12 @@ What it replaces:
     Written for the NPU stack's 4.57.x; not run in CI (checked once by hand against 4.57.6 on the shim).
   The expert computation is ``npu_moe_token_permute`` (tokens grouped by expert), two grouped matmuls around
   ``npu_swiglu``, and ``npu_moe_token_unpermute`` weighted by the routing probabilities. Each grouped matmul is
-  :class:`GroupedLinear`, an autograd Function whose backward is grouped matmuls too: dx with the weights
-  un-transposed (M-split), dW with a K-split gmm (``group_type=2``) that lands directly in the parameter's
-  [E, N, K] layout.
+  :class:`GroupedLinear`, an autograd Function: forward and dx are M-split grouped matmuls; dW is one matmul per
+  expert (``dy_e^T @ x_e``), because torch_npu 2.7.1 refuses the K-split gmm (``group_type=2``) that verl's
+  recipe uses for it ("group_type only support -1 and 0", its meta registration; later post builds accept it).
+  torch_npu 2.7.1's permute / unpermute take bfloat16 tokens and probs and int64 indices only (op docs), so
+  they run when the activations are bf16 (the NPU training dtype); other dtypes (fp32 checks) group tokens with
+  the same stable sort in plain torch, which the shim's tests hold equal to the fused ops.
 Why: HF loops over experts in Python (one small matmul per expert and a host sync for ``nonzero``); on NPU
 that is hundreds of tiny kernel launches per layer for Qwen3-30B-A3B (128 experts).
 Routing ops: ``npu_moe_gating_top_k_softmax`` is not used: Ascend documents it for inference and it has no
@@ -62,9 +65,11 @@ class GroupedLinear(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # dx[g] = dy[g] @ W_e: gmm wants [E, in=N, out=K], the stored layout as is
             grad_x = gmm([grad_out], [weight], group_list=counts, split_item=2, group_type=0, group_list_type=1)[0]
-        if ctx.needs_input_grad[1]:  # dW_e = dy[g]^T @ x[g]: split the shared M axis (K of this gmm) by group
-            k_split = {"split_item": 3, "group_type": 2, "group_list_type": 1}
-            grad_w = gmm([grad_out.t()], [x], group_list=counts, **k_split)[0]  # [E, N, K]
+        if ctx.needs_input_grad[1]:  # dW_e = dy[g]^T @ x[g] per expert (2.7.1 has no K-split gmm, see above)
+            sizes = counts.tolist()  # one host sync per backward, as the forward's group_list already needs
+            grad_w = torch.stack(
+                [dy.t() @ xe for dy, xe in zip(grad_out.split(sizes), x.split(sizes), strict=True)]
+            ).to(weight.dtype)  # [E, N, K]
         return grad_x, grad_w, None
 
 
@@ -74,17 +79,33 @@ def tokens_per_expert(top_k_index: torch.Tensor, num_experts: int) -> torch.Tens
     return counts.to(torch.int64)
 
 
+def _permute(npu: Any, hidden: torch.Tensor, top_k_index: torch.Tensor):
+    """Tokens grouped by expert -> (permuted [T*k, H], row_map [T*k]); row_map[p] = output row of flat slot p."""
+    if hidden.dtype == torch.bfloat16:  # the only dtype torch_npu 2.7.1's permute takes; indices int64
+        return npu.npu_moe_token_permute(hidden, top_k_index.to(torch.int64))
+    order = torch.argsort(top_k_index.reshape(-1), stable=True)  # the op's documented stable sort
+    return hidden.index_select(0, order // top_k_index.shape[1]), torch.argsort(order)
+
+
+def _unpermute(npu: Any, out: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Expert outputs back in token order, weighted by probs [T, k] and summed over the k slots -> [T, H]."""
+    if out.dtype == torch.bfloat16:
+        return npu.npu_moe_token_unpermute(out, row_map, probs=probs.to(torch.bfloat16))
+    rows = out.index_select(0, row_map.long()).view(*probs.shape, out.shape[-1])  # [T, k, H]
+    return (rows * probs.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+
 def fused_experts(hidden, top_k_index, top_k_weights, gate_up, down) -> torch.Tensor:
     """Experts output for hidden [T, H] routed to top_k_index [T, k] with weights [T, k].
 
     gate_up [E, 2I, H] (gate rows first), down [E, H, I]: the nn.Linear layouts transformers 5 stores.
     """
     npu = torch_npu()
-    permuted, row_map = npu.npu_moe_token_permute(hidden, top_k_index.to(torch.int32))  # [T*k, H]
+    permuted, row_map = _permute(npu, hidden, top_k_index)  # [T*k, H]
     counts = tokens_per_expert(top_k_index, gate_up.shape[0])
     act = npu.npu_swiglu(GroupedLinear.apply(permuted, gate_up, counts), dim=-1)  # [T*k, I]
     out = GroupedLinear.apply(act, down, counts)  # [T*k, H]
-    return npu.npu_moe_token_unpermute(out, row_map, probs=top_k_weights)  # [T, H]
+    return _unpermute(npu, out, row_map, top_k_weights)  # [T, H]
 
 
 def _make_experts_forward_v5(original: Any):

@@ -35,7 +35,7 @@ def test_import_torch_npu_after_install(npu):
     assert importlib.util.find_spec("torch_npu") is not None  # what transformers' availability probe calls
     assert callable(torch_npu.npu_fusion_attention) and callable(torch_npu.npu_grouped_matmul)
     assert npu.is_available() and npu.get_device_name() == "Ascend910B-cpushim"
-    assert 220 <= npu.get_soc_version() <= 225 and npu.is_bf16_supported()
+    assert 220 <= npu.get_device_properties().soc_version <= 225 and npu.is_bf16_supported()
 
 
 @pytest.mark.parametrize(

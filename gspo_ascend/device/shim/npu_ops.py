@@ -14,12 +14,22 @@ How the emulation differs from the hardware, for every op:
 * Arguments that only steer the hardware (tiling hints, ``gen_mask_parallel``, ``sync``, ``inner_precise``)
   are accepted and ignored; arguments whose semantics are not emulated (dropout, ``pse``, quantisation)
   raise ``ValueError`` rather than silently computing something else.
+
+Conformance to the pinned torch-npu 2.7.1 (issue #14): every signature here is the Python signature torchgen
+derives from the op's schema in the 2.7.1 wheel (``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``;
+``Tensor self`` becomes ``input``), and the ops refuse what 2.7.1 refuses: the checks of its meta registrations
+(``op_plugin/meta/_meta_registrations.py``) and the dtype / shape limits its op docs state
+(``_op_plugin_docs.py``), each cited where it is enforced. ``tests/conformance/`` downloads the wheel and
+checks both against it, and replays every call our code makes through the real meta functions. The one
+deliberate widening is float64, which no NPU kernel takes: :func:`float64_reference` admits it for exact
+gradient checks in tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +53,38 @@ _STAT_REPLICAS = 8  # softmax_max / softmax_sum are replicated 8 times in the la
 _FA_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 
 
+_NPU_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_float64_ok = False
+
+
+@contextlib.contextmanager
+def float64_reference() -> Iterator[None]:
+    """Admit float64 inputs inside the block: for exact gradient checks of the references in tests.
+
+    No torch_npu 2.7.1 fused op takes float64 (their op docs list fp16 / bf16 / fp32 at most), so outside this
+    block the shim refuses it as the NPU would.
+    """
+    global _float64_ok
+    before, _float64_ok = _float64_ok, True
+    try:
+        yield
+    finally:
+        _float64_ok = before
+
+
+def _check_dtype(op: str, name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = _NPU_FLOATS) -> None:
+    if t.dtype in allowed or (_float64_ok and t.dtype == torch.float64 and any(d.is_floating_point for d in allowed)):
+        return
+    names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+    raise ValueError(f"{op}: {name} must be {names} in torch_npu 2.7.1, got {str(t.dtype).removeprefix('torch.')}")
+
+
+def _check_dims(op: str, name: str, t: torch.Tensor, lo: int, hi: int) -> None:
+    if not lo <= t.dim() <= hi:
+        span = f"{lo}-D" if lo == hi else f"{lo}-D to {hi}-D"
+        raise ValueError(f"{op}: {name} must be {span} in torch_npu 2.7.1, got shape {tuple(t.shape)}")
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for fp16/bf16/fp32 (the kernels accumulate in fp32), fp64 stays fp64."""
     return torch.promote_types(dtype, torch.float32)
@@ -53,17 +95,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
+def npu_rms_norm(input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):  # input: torchgen's `self`
     """RMSNorm: ``y = x * rsqrt(mean(x^2) + eps) * gamma`` over the trailing ``gamma.dim()`` dims.
 
     torch_npu returns a tuple ``(y, rstd)``: ``y`` has the dtype and shape of ``x``; ``rstd`` is float32 with
-    shape ``x.shape[:x.dim()-gamma.dim()] + [1]*gamma.dim()`` (keepdim). The arithmetic is fp32 (as in
-    torch_npu's inductor decomposition); ``gamma`` may be fp32 while ``x`` is fp16/bf16.
+    shape ``x.shape[:x.dim()-gamma.dim()] + [1]*gamma.dim()`` (keepdim, as the 2.7.1 meta registration builds
+    it). The arithmetic is fp32 (as in torch_npu's inductor decomposition).
+
+    2.7.1's limits (op docs): x is fp16 / bf16 / fp32 and 2-D to 8-D; gamma has x's dtype ("数据类型需要和self
+    保持一致"), so a caller with bf16 activations casts an fp32 weight first.
 
     Emulation difference: ``rstd`` is returned detached. On the NPU it is a saved activation consumed by
     ``npu_rms_norm_backward(dy, x, gamma, rstd)``; gradients flow to ``x`` and ``gamma`` only through ``y``.
     """
-    x = self  # [..., *gamma.shape]
+    x = input  # [..., *gamma.shape]
+    _check_dtype("npu_rms_norm", "input", x)
+    _check_dims("npu_rms_norm", "input", x, 2, 8)
+    if gamma.dtype != x.dtype:
+        raise ValueError(f"npu_rms_norm: gamma dtype {gamma.dtype} must equal the input's {x.dtype} (torch_npu 2.7.1)")
     if gamma.dim() < 1 or tuple(x.shape[x.dim() - gamma.dim() :]) != tuple(gamma.shape):
         raise ValueError(
             f"npu_rms_norm: gamma shape {tuple(gamma.shape)} must match the trailing dims of x {tuple(x.shape)}"
@@ -86,51 +135,88 @@ def _rotate_interleave(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
+# Layouts npu_rotary_mul takes (4-D only), as (B axis, N axis, S axis), and the r1/r2 shapes allowed for each in
+# half mode: 'S' = x's S, 'D' = x's D, 'B'/'N' = x's B/N, '1' = 1 (2.7.1 op docs, 约束说明, jit_compile=False).
+_ROTARY_LAYOUTS = {"BNSD": (0, 1, 2), "BSND": (0, 2, 1), "SBND": (1, 2, 0)}
+_ROTARY_R_SHAPES = {
+    "half": {"BNSD": ("11SD", "B1SD", "BNSD"), "BSND": ("1S1D", "BS1D", "BSND"), "SBND": ("S11D", "SB1D", "SBND")},
+    "interleave": {"BNSD": ("11SD",), "BSND": ("1S1D",), "SBND": ("S11D",)},
+}
+
+
+def _rotary_layouts(x: torch.Tensor, r: torch.Tensor, mode: str) -> list[tuple[int, int]]:
+    """(B, N) of every layout under which x and r1/r2 are a documented combination."""
+    found = []
+    for layout, (b_ax, n_ax, s_ax) in _ROTARY_LAYOUTS.items():
+        sizes = {"B": x.shape[b_ax], "N": x.shape[n_ax], "S": x.shape[s_ax], "D": x.shape[3], "1": 1}
+        if any(tuple(r.shape) == tuple(sizes[c] for c in pattern) for pattern in _ROTARY_R_SHAPES[mode][layout]):
+            found.append((sizes["B"], sizes["N"]))
+    return found
+
+
+def _check_rotary(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> None:
+    """torch_npu 2.7.1's limits for npu_rotary_mul (op docs, jit_compile=False, the default on A2)."""
+    op = "npu_rotary_mul"
+    if mode not in _ROTARY_R_SHAPES:
+        raise ValueError(f"{op}: rotary_mode must be 'half' or 'interleave' in torch_npu 2.7.1, got {mode!r}")
+    for name, t in (("input", x), ("r1", r1), ("r2", r2)):
+        _check_dtype(op, name, t)
+        _check_dims(op, name, t, 4, 4)
+    d = x.shape[-1]
+    if d % 2 or d >= 896:
+        raise ValueError(f"{op}: the head dim D must be even and < 896 in torch_npu 2.7.1, got {d}")
+    if r1.shape != r2.shape:
+        raise ValueError(f"{op}: r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} must have one shape")
+    layouts = _rotary_layouts(x, r1, mode)
+    if not layouts:
+        allowed = "; ".join(f"{k}: {', '.join(v)}" for k, v in _ROTARY_R_SHAPES[mode].items())
+        raise ValueError(f"{op}: r1/r2 shape {tuple(r1.shape)} does not fit x {tuple(x.shape)} ({mode}: {allowed})")
+    needs_r_grad = r1.requires_grad or r2.requires_grad
+    if mode == "half":
+        ok = [(b, n) for b, n in layouts if b < 1000 and n < 1000 and (not needs_r_grad or b * n <= 1024)]
+        limit = "B, N < 1000" + (" and B*N <= 1024 (r1/r2 need gradients)" if needs_r_grad else "")
+    else:
+        ok, limit = [(b, n) for b, n in layouts if b * n < 1000], "B*N < 1000"
+    if not ok:
+        raise ValueError(f"{op}: x {tuple(x.shape)} breaks torch_npu 2.7.1's {mode}-mode limit {limit}")
+
+
 def npu_rotary_mul(
-    self: torch.Tensor,
+    input: torch.Tensor,  # torchgen's Python name for the schema's `self`
     r1: torch.Tensor,
     r2: torch.Tensor,
     rotary_mode: str = "half",
-    rotate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotary position embedding: ``out = x * r1 + rotate(x) * r2`` (r1 = cos, r2 = sin).
 
     * ``rotary_mode='half'``: ``rotate(x) = cat(-x2, x1)`` with ``x1, x2 = chunk(x, 2, -1)`` (HF rotate_half).
     * ``rotary_mode='interleave'``: ``rotate(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``.
-    * ``rotate`` (a 2-D ``[D, D]`` matrix): ``rotate(x) = x @ rotate``.
 
-    ``x`` is 3-D or 4-D (BNSD, BSND, SBND or TND); ``r1``/``r2`` broadcast against it (11SD, 1S1D, ...). The
-    output has the shape and dtype of ``x``.
+    torch_npu 2.7.1's limits, enforced: x, r1, r2 are 4-D fp16 / bf16 / fp32 (BNSD, BSND or SBND); D even and
+    < 896; r1/r2 broadcast as the docs list per layout (half: 11SD / B1SD / BNSD for BNSD, ...; interleave:
+    11SD / 1S1D / S11D only); half mode needs B, N < 1000 and B*N <= 1024 when r1/r2 need gradients;
+    interleave needs B*N < 1000. (Later builds add a ``rotate`` matrix argument and 3-D inputs; 2.7.1 has
+    neither.) The output has the shape and dtype of ``x``.
 
-    Emulation differences: the hardware restricts D (even, < 896) and requires r1/r2 in [-1, 1]; only the
-    evenness of D is checked here. With a ``rotate`` matrix the NPU op has no backward; here autograd still
-    works. Newer torch_npu modes (e.g. 'quarter') are not emulated and raise ``ValueError``.
+    Emulation difference: the hardware requires r1/r2 in [-1, 1] (true of cos / sin); that is not checked.
     """
-    x = self  # [B, N, S, D] (or another documented layout)
-    if x.shape[-1] % 2:
-        raise ValueError(f"npu_rotary_mul: the last dim of x must be even, got {x.shape[-1]}")
+    x = input  # [B, N, S, D] (or BSND / SBND)
+    _check_rotary(x, r1, r2, rotary_mode)
     cdt = _compute_dtype(x.dtype)
     xc = x.to(cdt)
-    if rotate is not None:
-        if rotate.dim() != 2:
-            raise ValueError(f"npu_rotary_mul: rotate must be a 2-D [D, D] matrix, got shape {tuple(rotate.shape)}")
-        rotated = xc @ rotate.to(cdt)
-    elif rotary_mode == "half":
-        rotated = _rotate_half(xc)
-    elif rotary_mode == "interleave":
-        rotated = _rotate_interleave(xc)
-    else:
-        raise ValueError(f"npu_rotary_mul: rotary_mode must be 'half' or 'interleave' (emulated), got {rotary_mode!r}")
+    rotated = _rotate_half(xc) if rotary_mode == "half" else _rotate_interleave(xc)
     return (xc * r1.to(cdt) + rotated * r2.to(cdt)).to(x.dtype)
 
 
-def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:  # input: torchgen's `self`
     """SwiGLU: ``a, b = chunk(x, 2, dim); out = silu(a) * b``. The first half is the gate.
 
     The output is half the size of ``x`` along ``dim`` (verl passes ``cat(gate_proj, up_proj)``). Computed in
-    fp32 and cast back to ``x``'s dtype.
+    fp32 and cast back to ``x``'s dtype. 2.7.1 (op docs): x is 1-D to 8-D, fp32 / fp16 / bf16.
     """
-    x = self  # [..., 2*I, ...] along dim
+    x = input  # [..., 2*I, ...] along dim
+    _check_dtype("npu_swiglu", "input", x)
+    _check_dims("npu_swiglu", "input", x, 1, 8)
     if x.shape[dim] % 2:
         raise ValueError(f"npu_swiglu: size {x.shape[dim]} along dim {dim} must be even")
     a, b = torch.chunk(x.to(_compute_dtype(x.dtype)), 2, dim=dim)
@@ -332,7 +418,34 @@ def _fusion_attention_varlen(query, key, value, head_num, atten_mask, scale, pre
     return torch.cat(outs, 0), torch.cat(maxes, 1), torch.cat(sums, 1)
 
 
-def _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, sink):
+# torch_npu 2.7.1's npu_fusion_attention limits (op docs, 约束说明): head dim 1-768 with Dq = Dk >= Dv, Nq 1-256,
+# B up to 2M (2K in varlen), at most 1K sequences in a varlen (TND) call, T = B*S up to 1M.
+_FA_MAX_HEAD_DIM = 768
+_FA_MAX_HEADS = 256
+_FA_MAX_VARLEN_SEQS = 1024
+_FA_MAX_TOKENS = 1 << 20
+
+
+def _check_fusion_attention_limits(query, key, value, head_num, input_layout, atten_mask, seq_q) -> None:
+    op = "npu_fusion_attention"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_dtype(op, name, t)
+    if not query.dtype == key.dtype == value.dtype:
+        dtypes = f"{query.dtype}, {key.dtype}, {value.dtype}"
+        raise ValueError(f"{op}: query, key and value must share one dtype, got {dtypes}")
+    if atten_mask is not None:
+        _check_dtype(op, "atten_mask", atten_mask, (torch.bool, torch.uint8))
+    if not 1 <= head_num <= _FA_MAX_HEADS:
+        raise ValueError(f"{op}: head_num must be 1-{_FA_MAX_HEADS} in torch_npu 2.7.1, got {head_num}")
+    if input_layout == "TND":
+        n_seq = len(_as_int_list(seq_q))
+        if n_seq > _FA_MAX_VARLEN_SEQS:
+            raise ValueError(f"{op}: TND takes at most {_FA_MAX_VARLEN_SEQS} sequences per call, got {n_seq}")
+        if query.shape[0] > _FA_MAX_TOKENS:
+            raise ValueError(f"{op}: TND takes at most {_FA_MAX_TOKENS} tokens, got {query.shape[0]}")
+
+
+def _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob):
     if input_layout not in _FA_LAYOUTS:
         raise ValueError(f"npu_fusion_attention: input_layout must be one of {_FA_LAYOUTS}, got {input_layout!r}")
     if keep_prob != 1.0:
@@ -343,8 +456,6 @@ def _check_fusion_attention_args(query, key, value, head_num, input_layout, pse,
         raise ValueError("npu_fusion_attention: pse (positional bias) is not emulated on the CPU shim")
     if padding_mask is not None:
         raise ValueError("npu_fusion_attention: padding_mask is not supported (torch_npu documents it as unsupported)")
-    if sink is not None:
-        raise ValueError("npu_fusion_attention: sink is not emulated on the CPU shim")
     if input_layout not in ("BSH", "SBH") and key.shape[:-1] != value.shape[:-1]:
         raise ValueError(f"npu_fusion_attention: key {tuple(key.shape)} and value {tuple(value.shape)} disagree")
     nkv, d, dv = _head_dims(query, key, value, head_num, input_layout)
@@ -352,6 +463,8 @@ def _check_fusion_attention_args(query, key, value, head_num, input_layout, pse,
         raise ValueError(f"npu_fusion_attention: head_num={head_num} is not a multiple of the {nkv} KV heads")
     if dv > d:
         raise ValueError(f"npu_fusion_attention: value head dim {dv} exceeds query/key head dim {d} (needs Dk >= Dv)")
+    if not 1 <= d <= _FA_MAX_HEAD_DIM:
+        raise ValueError(f"npu_fusion_attention: head dim must be 1-{_FA_MAX_HEAD_DIM} in torch_npu 2.7.1, got {d}")
     return nkv
 
 
@@ -381,10 +494,6 @@ def npu_fusion_attention(
     gen_mask_parallel: bool = True,
     sync: bool = False,
     softmax_layout: str = "",
-    sink: torch.Tensor | None = None,
-    dropout_mask: torch.Tensor | None = None,
-    seed: int = 0,
-    offset: int = 0,
 ):
     """Fused attention ``Dropout(Softmax(Mask(scale * (pse + Q K^T))), keep_prob) V`` (torch_npu semantics).
 
@@ -406,14 +515,21 @@ def npu_fusion_attention(
     ``actual_seq_qlen``/``actual_seq_kvlen`` ends without a leading 0 (lengths [2, 2, 2] -> [2, 4, 6]);
     trailing zeros skip batches. GQA: N / Nkv must be an integer; KV heads are repeat_interleave'd.
 
-    Emulation differences: dropout (``keep_prob != 1``), ``pse``, ``sink`` and sparse modes 5-8 raise
+    torch_npu 2.7.1's limits, enforced: q/k/v one dtype of fp16 / bf16 / fp32; mask bool or uint8; head dim
+    1-768 with Dk >= Dv; 1-256 query heads; TND with at most 1024 sequences and 1M tokens. 2.7.1 has no
+    ``sink``, ``dropout_mask``, ``seed`` or ``offset`` argument (later builds add them): passing one is a
+    TypeError, as on the NPU.
+
+    Emulation differences: dropout (``keep_prob != 1``), ``pse`` and sparse modes 5-8 raise
     ``ValueError``. Fully masked query rows give 0 (undocumented on the NPU). ``softmax_max``/``softmax_sum``
     are detached (the NPU backward kernel consumes them, autograd here does not need them); for TND with the
     default ``softmax_layout=""`` they are returned in the documented [T, N, 8] shape but with the documented
     NTD storage order (a reshape of [N, T, 8]), exactly as the NPU does; ``softmax_layout="TND"`` gives a true
-    [T, N, 8]. ``softmax_out`` is an empty reserved tensor; ``seed``/``offset`` are echoed, ``numels`` is 0.
+    [T, N, 8]. ``softmax_out`` is an empty reserved tensor; ``seed``, ``offset`` and ``numels`` are 0 (the dropout RNG
+    state the NPU returns; no dropout here).
     """
-    nkv = _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, sink)
+    nkv = _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob)
+    _check_fusion_attention_limits(query, key, value, head_num, input_layout, atten_mask, actual_seq_qlen)
     if input_layout == "TND":
         out, smax, ssum = _fusion_attention_varlen(
             query, key, value, head_num, atten_mask, scale, pre_tockens, next_tockens,
@@ -433,7 +549,7 @@ def npu_fusion_attention(
         out = _from_bnsd(out_bnsd, input_layout)
         smax, ssum = _replicate_stat(smax), _replicate_stat(ssum)  # [B, N, Sq, 8]
     softmax_out = query.new_empty(0)
-    return out, smax, ssum, softmax_out, int(seed), int(offset), 0
+    return out, smax, ssum, softmax_out, 0, 0, 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -495,23 +611,6 @@ def _gmm_m_split(x, weight, bias, group_list, group_list_type, cdt) -> list[torc
     ]
 
 
-def _gmm_k_split(x, weight, bias, group_list, group_list_type, cdt) -> list[torch.Tensor]:
-    """x [M, K] and weight [K, N] split along K: group e gives ``x[:, ks:ke] @ w[ks:ke]`` of shape [M, N].
-
-    This is the weight-gradient form (verl: ``gmm([x^T], [dy], group_type=2)`` -> [E, H, I]); an empty group
-    yields zeros.
-    """
-    if len(x) != 1 or len(weight) != 1 or x[0].dim() != 2 or weight[0].dim() != 2:
-        raise ValueError(
-            "npu_grouped_matmul: a K-split (group_type=2) takes one 2-D x [M, K] and one 2-D weight [K, N]"
-        )
-    if bias is not None:
-        raise ValueError("npu_grouped_matmul: bias is not supported with group_type=2")
-    ends = _group_ends(group_list, group_list_type, x[0].shape[1])
-    starts = [0, *ends[:-1]]
-    return [_matmul_bias(x[0][:, s:e], weight[0][s:e], None, cdt) for s, e in zip(starts, ends, strict=True)]
-
-
 def _gmm_pairwise(x, weight, bias, group_list, group_list_type, cdt) -> list[torch.Tensor]:
     """No grouping axis: ``y_i = x_i @ w_i + b_i`` for each pair (group_list, if given, must match x_i rows)."""
     if len(x) != len(weight):
@@ -542,18 +641,24 @@ def npu_grouped_matmul(
     group_type: int | None = None,
     group_list_type: int = 0,
     act_type: int = 0,
-    output_dtype: torch.dtype | None = None,
     tuning_config: Sequence[int] | None = None,
+    output_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Grouped GEMM ``y_i = x_i @ weight_i + bias_i`` (torch_npu, non-quantised formula).
 
     * ``group_type=0`` (or None with a ``group_list``): split a single ``x [M, K]`` along M; weight is one
       ``[E, K, N]`` tensor or E ``[K, N]`` tensors; bias one ``[E, N]`` or E ``[N]``. Output ``[M, N]`` as a
       single tensor (split_item 2/3) or E tensors ``[m_e, N]`` (split_item 0/1).
-    * ``group_type=2``: split K: ``x [M, K]``, weight ``[K, N]``; output ``[E, M, N]`` (single) or E ``[M, N]``.
     * ``group_type`` None/-1 without group_list: one matmul per (x_i, weight_i) pair; split_item 2/3
       concatenates the results along dim 0.
     * ``group_list_type`` 0 = cumulative ends, 1 = per-group counts (``group_list`` a list or 1-D tensor).
+
+    torch_npu 2.7.1's limits, enforced: ``group_type`` is -1 or 0 (its meta registration: "group_type only
+    support -1 and 0"; the K-split ``group_type=2`` of later builds is refused); x and weight fp16 / bf16 /
+    fp32; at most 128 tensors per list; every x and weight last dim < 65536 (the A2 inner-axis limit); a
+    tensor ``group_list`` is int64 and, with ``group_list_type=1``, longer than 1 (op docs).
+    ``group_type=None`` is accepted as "no group axis given" (the meta registration, which only FakeTensor
+    tracing runs, refuses it; eager 2.7.1's C++ check could not be read here).
 
     Emulation differences: quantisation arguments and ``act_type != 0`` raise ``ValueError``;
     ``tuning_config`` is ignored. Where ``group_list`` covers fewer rows than x has (the NPU requires it to
@@ -573,25 +678,41 @@ def npu_grouped_matmul(
         raise ValueError(f"npu_grouped_matmul: split_item must be 0-3, got {split_item}")
     x, weight = list(x), list(weight)
     bias = None if bias is None else list(bias)
+    _check_gmm_limits(x, weight, group_list, group_type, group_list_type)
     cdt = _compute_dtype(x[0].dtype)
     out_dtype = output_dtype or x[0].dtype
-    if group_type == 2:
-        pieces = _gmm_k_split(x, weight, bias, group_list, group_list_type, cdt)
-    elif group_type in (None, -1, 0) and (len(x) > 1 or group_list is None):
+    if group_type == -1 or len(x) > 1 or group_list is None:
         pieces = _gmm_pairwise(x, weight, bias, group_list, group_list_type, cdt)
-    elif group_type in (None, 0):
-        pieces = _gmm_m_split(x, weight, bias, group_list, group_list_type, cdt)
     else:
-        raise ValueError(f"npu_grouped_matmul: group_type={group_type} is not emulated (None/-1, 0 and 2 are)")
+        pieces = _gmm_m_split(x, weight, bias, group_list, group_list_type, cdt)
     pieces = [p.to(out_dtype) for p in pieces]
     if split_item in (0, 1):
         return pieces
-    if group_type == 2:
-        return [torch.stack(pieces, dim=0)]  # [E, M, N]
     covered = sum(p.shape[0] for p in pieces)
     if len(x) == 1 and covered < x[0].shape[0]:
         pieces.append(pieces[0].new_zeros(x[0].shape[0] - covered, pieces[0].shape[1]))
     return [torch.cat(pieces, dim=0)]  # [M, N]
+
+
+_GMM_MAX_TENSORS = 128  # "列表最大长度为128"
+_GMM_INNER_LIMIT = 65536  # A2 InnerLimit: each x / weight last dim must be below it
+
+
+def _check_gmm_limits(x, weight, group_list, group_type, group_list_type) -> None:
+    op = "npu_grouped_matmul"
+    if group_type not in (None, -1, 0):
+        raise ValueError(f"{op}: group_type only support -1 and 0 in torch_npu 2.7.1, got {group_type}")
+    if not x or not weight or len(x) > _GMM_MAX_TENSORS or len(weight) > _GMM_MAX_TENSORS:
+        raise ValueError(f"{op}: x and weight lists take 1-{_GMM_MAX_TENSORS} tensors, got {len(x)} and {len(weight)}")
+    for name, tensors in (("x", x), ("weight", weight)):
+        for t in tensors:
+            _check_dtype(op, name, t)
+            if t.shape[-1] >= _GMM_INNER_LIMIT:
+                raise ValueError(f"{op}: {name} last dim {t.shape[-1]} must be < {_GMM_INNER_LIMIT} (A2 inner limit)")
+    if isinstance(group_list, torch.Tensor):
+        _check_dtype(op, "group_list", group_list, (torch.int64,))
+        if group_list_type == 1 and group_list.numel() == 1:
+            raise ValueError(f"{op}: with group_list_type=1 the group_list cannot have length 1 (torch_npu 2.7.1)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -611,14 +732,21 @@ def npu_moe_token_permute(
     ``num_out_tokens``: None/0 keeps all N*topk rows, n > 0 keeps min(n, N*topk), n < 0 keeps N*topk + n
     (torch_npu's rule); dropped positions map to rows >= n_out.
 
-    Emulation difference: none known; like the NPU, ``padded_mode=True`` raises.
+    torch_npu 2.7.1's limits, enforced (op docs): tokens bfloat16 ("当前版本permuted_tokens仅支持bfloat16"),
+    indices int64 with fewer than 16777215 elements, top-k <= 512; tokens 2-D and indices 1-D or 2-D (its meta
+    registration's checks). Like the NPU, ``padded_mode=True`` raises.
     """
+    op = "npu_moe_token_permute"
     if padded_mode:
-        raise ValueError("npu_moe_token_permute: padded_mode=True is not supported (torch_npu supports only False)")
+        raise ValueError(f"{op}: padded_mode=True is not supported (torch_npu supports only False)")
     if tokens.dim() != 2 or indices.dim() not in (1, 2):
-        raise ValueError(f"npu_moe_token_permute: tokens must be [N, H] and indices [N] or [N, topk], got "
+        raise ValueError(f"{op}: tokens must be [N, H] and indices [N] or [N, topk], got "
                          f"{tuple(tokens.shape)} and {tuple(indices.shape)}")  # fmt: skip
+    _check_dtype(op, "tokens", tokens, (torch.bfloat16,))
+    _check_dtype(op, "indices", indices, (torch.int64,))
     topk = 1 if indices.dim() == 1 else indices.shape[1]
+    if topk > 512 or indices.numel() >= 16777215:
+        raise ValueError(f"{op}: top-k must be <= 512 and indices hold < 16777215 elements, got {tuple(indices.shape)}")
     flat = indices.reshape(-1)  # [N*topk]
     n_flat = flat.numel()
     n = num_out_tokens or 0
@@ -642,9 +770,20 @@ def npu_moe_token_unpermute(
     takes row ``permuted_tokens[sorted_indices[p]]`` (0 if that row was dropped by ``num_out_tokens``); the
     result is reshaped to [N, topk, H], multiplied by ``probs [N, topk]`` and summed over topk. Without probs
     topk = 1 and the output is [N*topk, H] (no merge), as torch_npu's output-size rule states.
+
+    torch_npu 2.7.1's limits, enforced: permuted_tokens and probs bfloat16 (op docs); permuted_tokens 2-D,
+    sorted_indices 1-D, probs 2-D (meta registration). The docs give sorted_indices as int64 while the permute
+    op returns int32 and the docs' own example passes that int32 tensor: both are accepted.
     """
+    op = "npu_moe_token_unpermute"
     if padded_mode:
-        raise ValueError("npu_moe_token_unpermute: padded_mode=True is not supported (torch_npu supports only False)")
+        raise ValueError(f"{op}: padded_mode=True is not supported (torch_npu supports only False)")
+    if permuted_tokens.dim() != 2 or sorted_indices.dim() != 1 or (probs is not None and probs.dim() != 2):
+        raise ValueError(f"{op}: permuted_tokens must be 2-D, sorted_indices 1-D and probs 2-D")
+    _check_dtype(op, "permuted_tokens", permuted_tokens, (torch.bfloat16,))
+    _check_dtype(op, "sorted_indices", sorted_indices, (torch.int32, torch.int64))
+    if probs is not None:
+        _check_dtype(op, "probs", probs, (torch.bfloat16,))
     topk = 1 if probs is None else probs.shape[1]
     hidden = permuted_tokens.shape[-1]
     idx = sorted_indices.long()  # [N*topk]

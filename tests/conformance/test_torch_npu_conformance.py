@@ -1,0 +1,254 @@
+"""Our NPU path held to the real torch-npu 2.7.1 wheel (issue #14): schemas, meta registrations, op docs.
+
+1. Signatures: every op the shim emulates has exactly the Python signature torchgen derives from the op's
+   schema in the pinned wheel (names, order, keyword-only, defaults). A mismatch names both places.
+2. Calls: every torch_npu call our NPU patches make, on tiny Qwen2 / Qwen3 / Qwen3-MoE models in fp32 and bf16
+   (padded, full and packed batches, cached decoding, forward and backward), is recorded under the shim and
+   replayed through the pinned wheel's schema (argument names and types) and its real meta function (its
+   checks and output shapes), and the shim's outputs must have the meta's shapes and dtypes.
+3. Refusals: the cases issue #14 found the shim accepting are refused by the real wheel too (schema or meta),
+   so tests/unit/test_shim_torch_npu_limits.py holds the shim to facts of the wheel, not to our reading.
+4. The device module: every ``torch.npu`` function the shim provides exists in torch_npu 2.7.1's ``torch_npu.npu``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from gspo_ascend.device import shim
+from gspo_ascend.device.shim import npu_module, npu_ops
+
+from . import torch_npu_real as real
+from .upstream import upstream_file
+
+SHIM_OPS = tuple(npu_ops.__all__)
+
+
+def _where(op: str) -> str:
+    return f"shim: gspo_ascend/device/shim/npu_ops.py::{op}; torch-npu 2.7.1: {real._YAML} ({op})"
+
+
+@pytest.mark.parametrize("op", SHIM_OPS)
+def test_shim_signature_is_the_pinned_schema(op):
+    want = real.python_params(real.schema(op))
+    got = [
+        (p.name, p.kind == inspect.Parameter.KEYWORD_ONLY, p.default)
+        for p in inspect.signature(getattr(npu_ops, op)).parameters.values()
+    ]
+    assert got == want, f"signature mismatch ({_where(op)}):\n  shim:  {got}\n  2.7.1: {want}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replaying our calls through the real schema and meta functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _type_ok(type_str: str, value: Any) -> bool:
+    """Whether a Python value is what a schema type accepts (torch's spelling: ``Optional[List[int]]``)."""
+    if type_str.startswith("Optional["):
+        return value is None or _type_ok(type_str[len("Optional[") : -1], value)
+    if type_str.startswith("List["):
+        inner = type_str[len("List[") : -1]
+        return isinstance(value, (list, tuple)) and all(_type_ok(inner, v) for v in value)
+    checks = {
+        "Tensor": lambda v: isinstance(v, torch.Tensor),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "SymInt": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "ScalarType": lambda v: isinstance(v, torch.dtype),
+    }
+    return checks[type_str](value)
+
+
+def _signature(op: str) -> inspect.Signature:
+    kinds = {True: inspect.Parameter.KEYWORD_ONLY, False: inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    params = real.python_params(real.schema(op))
+    return inspect.Signature([inspect.Parameter(name, kinds[kw], default=d) for name, kw, d in params])
+
+
+def _bind(op: str, args: tuple, kwargs: dict) -> tuple[list, dict]:
+    """Bind a call to the 2.7.1 schema the way the dispatcher does: positional args, then keyword-only ones."""
+    schema = real.schema(op)
+    bound = _signature(op).bind(*args, **kwargs)  # TypeError names an unknown / missing argument
+    bound.apply_defaults()
+    for arg, (name, _, _) in zip(schema.arguments, real.python_params(schema), strict=True):
+        value = bound.arguments[name]
+        assert _type_ok(str(arg.type), value), f"{op}: {name}={value!r} is not a {arg.type} ({_where(op)})"
+    positional = [bound.arguments[n] for n, kw_only, _ in real.python_params(schema) if not kw_only]
+    keywords = {n: bound.arguments[n] for n, kw_only, _ in real.python_params(schema) if kw_only}
+    return positional, keywords
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def _flat(result: Any) -> list[Any]:
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _compare(op: str, shim_out: Any, meta_out: Any) -> None:
+    got, want = _flat(shim_out), _flat(meta_out)
+    assert len(got) == len(want), f"{op}: shim returns {len(got)} outputs, the 2.7.1 meta {len(want)}"
+    # npu_fusion_attention's meta builds softmax_max / softmax_sum as [B, N, query.size(2), 8] for every layout
+    # (for BSND / TND that is not S); our code reads only the attention output, so only it is compared.
+    compared = got[:1] if op == "npu_fusion_attention" else got
+    for i, (g, w) in enumerate(zip(compared, want, strict=False)):
+        assert type(g) is type(w) or (isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)), (op, i)
+        if isinstance(g, torch.Tensor):
+            assert (tuple(g.shape), g.dtype) == (tuple(w.shape), w.dtype), (
+                f"{op} output {i}: shim {tuple(g.shape)} {g.dtype}, 2.7.1 meta {tuple(w.shape)} {w.dtype}"
+            )
+
+
+@pytest.fixture(scope="module")
+def recorded_calls():
+    """Every torch_npu op call the NPU patches make on the tiny models, with the shim's outputs."""
+    from gspo_ascend.patches import apply_npu_patches, remove_npu_patches
+
+    from tests.unit import test_patches_npu as tp
+
+    was_installed = shim.is_installed("npu")
+    shim.install(npu=True)
+    module = sys.modules["torch_npu"]
+    calls: list[tuple[str, tuple, dict, Any]] = []
+    originals = {op: getattr(module, op) for op in SHIM_OPS}
+
+    def recorder(op):
+        def call(*args, **kwargs):
+            out = originals[op](*args, **kwargs)
+            calls.append((op, args, kwargs, out))
+            return out
+
+        return call
+
+    for op in SHIM_OPS:
+        setattr(module, op, recorder(op))
+    try:
+        for family, dtype in (("qwen2", torch.float32), ("qwen3", torch.float32), ("qwen3", torch.bfloat16),
+                              ("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16)):  # fmt: skip
+            _run_patched_model(tp, apply_npu_patches, family, dtype)
+            remove_npu_patches()
+    finally:
+        for op, fn in originals.items():
+            setattr(module, op, fn)
+        remove_npu_patches()
+        if not was_installed:
+            shim.uninstall()
+    return calls
+
+
+def _run_patched_model(tp, apply_npu_patches, family: str, dtype: torch.dtype) -> None:
+    model = tp.tiny_model(family).to(dtype)
+    apply_npu_patches(model)
+    for side in ("left", "full"):  # TND (padded), BSND with the compressed causal mask
+        logits = model(**tp.padded_batch(side)).logits
+        logits.float().sum().backward()
+    packed = torch.cat([tp.tokens(n, seed=i) for i, n in enumerate(tp.LENGTHS)])[None]
+    positions = torch.cat([torch.arange(n) for n in tp.LENGTHS])[None]
+    model(input_ids=packed, position_ids=positions, use_cache=False).logits.float().sum().backward()
+    model.eval()
+    with torch.no_grad():  # cached decoding with left padding: BSND with an explicit mask
+        batch = tp.padded_batch("left")
+        batch.pop("use_cache")
+        out = model(**batch, use_cache=True)
+        step = {"input_ids": batch["input_ids"][:, -1:], "past_key_values": out.past_key_values}
+        mask = torch.cat([batch["attention_mask"], torch.ones_like(batch["attention_mask"][:, :1])], dim=1)
+        model(**step, attention_mask=mask, position_ids=batch["position_ids"][:, -1:] + 1)
+
+
+def test_every_op_our_patches_use_was_exercised(recorded_calls):
+    used = {op for op, *_ in recorded_calls}
+    assert used == {"npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_grouped_matmul",
+                    "npu_moe_token_permute", "npu_moe_token_unpermute"}  # fmt: skip
+    layouts = {args[4] if len(args) > 4 else kwargs["input_layout"] for op, args, kwargs, _ in recorded_calls
+               if op == "npu_fusion_attention"}  # fmt: skip
+    assert layouts == {"TND", "BSND"}
+
+
+def test_every_call_passes_the_real_schema_and_meta(recorded_calls):
+    metas = real.meta_functions()
+    seen = set()
+    for op, args, kwargs, out in recorded_calls:
+        signature = (op, tuple(sorted(kwargs)), tuple(type(a).__name__ for a in args))
+        positional, keywords = _bind(op, args, kwargs)
+        meta_out = metas[op](*_to_meta(positional), **_to_meta(keywords))
+        _compare(op, out, meta_out)
+        seen.add(signature)
+    assert len(seen) >= 7  # distinct call shapes replayed
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The refusals of issue #14 item 2 are facts of the wheel
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "argument"),
+    [("npu_fusion_attention", "sink"), ("npu_fusion_attention", "dropout_mask"), ("npu_fusion_attention", "seed"),
+     ("npu_fusion_attention", "offset"), ("npu_rotary_mul", "rotate")],
+)  # fmt: skip
+def test_later_builds_arguments_are_not_in_2_7_1(op, argument):
+    assert argument not in [name for name, *_ in real.python_params(real.schema(op))]
+    with pytest.raises(TypeError, match=argument):
+        _signature(op).bind_partial(**{argument: None})
+
+
+def test_2_7_1_meta_refuses_the_k_split_grouped_matmul():
+    x, dy = torch.empty(4, 6, device="meta"), torch.empty(6, 3, device="meta")
+    counts = torch.empty(2, dtype=torch.int64, device="meta")
+    with pytest.raises(RuntimeError, match="group_type only support -1 and 0"):
+        real.meta_functions()["npu_grouped_matmul"]([x], [dy], group_list=counts, split_item=3, group_type=2)
+
+
+def _op_doc(op: str) -> str:
+    """The docstring torch_npu 2.7.1 attaches to ``torch_npu.<op>`` (``_add_torch_npu_docstr(op, text)`` calls)."""
+    tree = ast.parse(upstream_file("torch-npu", "torch_npu/_op_plugin_docs.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_add_torch_npu_docstr":
+            name, text = (a.value for a in node.args[:2])
+            if name == op:
+                return text
+    raise AssertionError(f"torch-npu 2.7.1 documents no {op}")
+
+
+@pytest.mark.parametrize(
+    ("op", "facts"),
+    [
+        ("npu_rotary_mul", ["input：必选输入，4维Tensor", "D < 896", "B, N < 1000", "B*N <= 1024"]),
+        ("npu_moe_token_permute", ["数据类型torch.bfloat16", "数据类型torch.int64", "topK小于等于512"]),
+        ("npu_moe_token_unpermute", ["数据类型torch.bfloat16", "支持的数据类型BFLOAT16"]),
+        ("npu_fusion_attention", ["取值范围1~768", "Nq取值范围1~256", "varlen场景下长度最大支持1K"]),
+        ("npu_grouped_matmul", ["当前支持取-1、0", "列表最大长度为128", "InnerLimit为65536"]),
+        ("npu_rms_norm", ["数据类型需要和self保持一致"]),
+    ],
+)
+def test_the_limits_the_shim_enforces_are_in_the_2_7_1_op_docs(op, facts):
+    doc = _op_doc(op)
+    for fact in facts:
+        assert fact in doc, f"torch-npu 2.7.1's doc of {op} no longer states {fact!r}; re-derive the shim's limit"
+
+
+def test_shim_device_module_is_a_subset_of_torch_npu_npu():
+    """Each torch.npu function the shim provides is one torch_npu 2.7.1 exports (torch_npu/npu/__init__.py)."""
+    tree = ast.parse(upstream_file("torch-npu", "torch_npu/npu/__init__.py").read_text())
+    exported = next(
+        {elt.value for elt in node.value.elts}
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets)
+    )
+    provided = {name for name in dir(npu_module.build_device_module()) if not name.startswith("_")}
+    extra = sorted(provided - exported)
+    assert not extra, f"shim's torch.npu has {extra}, which torch_npu 2.7.1's torch_npu.npu does not export"

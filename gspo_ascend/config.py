@@ -32,6 +32,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
+    # trainer.device=npu: torch_npu fused ops for RMSNorm, rotary, SwiGLU, MoE experts and attention in the fsdp
+    # and hf engines (gspo_ascend.patches; docs/npu-patches.md). Ignored on cpu / cuda, where nothing is patched.
+    npu_patches: bool = True
 
 
 @dataclass

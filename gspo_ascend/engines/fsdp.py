@@ -40,6 +40,7 @@ from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
+from gspo_ascend.engines.hf_load import load_causal_lm
 from gspo_ascend.engines.logprobs import forward_log_probs
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
@@ -104,12 +105,16 @@ class FSDPEngine:
 
     def _build_model(self, model_path: str, trainable: bool) -> tuple[torch.nn.Module, set[str]]:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
 
         if not (Path(model_path) / "config.json").is_file():
             raise UserError(f"model.path '{model_path}' is not a Hugging Face model directory (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.master_dtype, attn_implementation=self.cfg.model.attn_implementation
+        m = self.cfg.model
+        model = load_causal_lm(
+            model_path,
+            dtype=self.master_dtype,
+            attn_implementation=m.attn_implementation,
+            backend=self.backend,
+            npu_patches=m.npu_patches,
         )
         # names that alias another parameter (tied embeddings): HF checkpoints store only the first
         tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ConfigError, UserError
 from .base import SampleBatch, SamplingParams, check_prompt_tokens
+from .hf_load import load_causal_lm
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -58,6 +59,7 @@ class HFRolloutEngine:
         attn_implementation: str = "sdpa",
         tokenizer_path: str | None = None,
         max_batch_size: int | None = None,
+        npu_patches: bool = True,
     ):
         if dtype not in DTYPES:
             raise ConfigError(f"config key 'model.dtype' must be one of {sorted(DTYPES)}, got '{dtype}'")
@@ -67,7 +69,7 @@ class HFRolloutEngine:
             raise ValueError(f"max_batch_size must be > 0 or None, got {max_batch_size}")
         self.backend, self.max_batch_size = backend, max_batch_size
         self.device = backend.device()
-        self.model = _load_model(model_path, DTYPES[dtype], attn_implementation).to(self.device)
+        self.model = _load_model(model_path, DTYPES[dtype], attn_implementation, backend, npu_patches).to(self.device)
         self.model.eval().requires_grad_(False)
         self.tokenizer = _load_tokenizer(tokenizer_path or model_path)
         self.eos_token_ids, self.pad_token_id = _special_ids(self.model.generation_config, self.tokenizer)
@@ -220,17 +222,18 @@ def build_hf_rollout(cfg: Config, backend: Backend, model_path: str) -> HFRollou
         dtype=cfg.model.dtype,
         attn_implementation=cfg.model.attn_implementation,
         tokenizer_path=cfg.model.tokenizer_path,
+        npu_patches=cfg.model.npu_patches,
     )
 
 
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def _load_model(path: str, dtype: torch.dtype, attn_implementation: str) -> Any:
-    from transformers import AutoModelForCausalLM
-
+def _load_model(path: str, dtype: torch.dtype, attn_implementation: str, backend: Backend, npu_patches: bool) -> Any:
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        return load_causal_lm(
+            path, dtype=dtype, attn_implementation=attn_implementation, backend=backend, npu_patches=npu_patches
+        )
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(

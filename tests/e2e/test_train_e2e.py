@@ -148,6 +148,8 @@ def test_two_emulated_npus_with_engine_log_probs(tmp_path):
         env={**os.environ, "GSPO_DEVICE_SHIM": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the fsdp and hf engines ran on torch_npu's fused ops (the shim's), summary printed once by rank 0
+    assert (proc.stdout + proc.stderr).count("NPU patches for qwen3") == 1, proc.stdout[-3000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all("time/old_log_prob_s" in r and r["time/old_log_prob_s"] < 0.01 for r in rows)  # no recompute

@@ -188,7 +188,9 @@ def test_log_probs_match_an_unpadded_full_forward(engine, reference, prompts, te
     params = SamplingParams(n=3, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16, seed=11)
     batch = engine.generate(prompts, params)
     expected = ref_log_probs(reference, batch, temperature)  # pre-truncation: top-p/top-k change nothing here
-    torch.testing.assert_close(batch.rollout_log_probs, expected, atol=1e-5, rtol=0)
+    # KV-cache decoding and one full forward run different GEMM shapes: in fp32 their log-probs differ by up to
+    # 1.01e-5 on some CPUs (measured 2026-11-24 at T=0.7); a leak of truncation or padding would be >= 1e-2
+    torch.testing.assert_close(batch.rollout_log_probs, expected, atol=2e-5, rtol=0)
 
 
 def test_top_k_restricts_and_minus_one_disables(engine, reference, prompts):

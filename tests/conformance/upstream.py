@@ -29,6 +29,9 @@ PINS = {
 }
 
 
+_LAYOUT = 2  # bump when what is unpacked changes, so caches made by an older suite are unpacked again
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("GSPO_UPSTREAM_CACHE", Path.home() / ".cache" / "gspo-ascend" / "upstream"))
 
@@ -43,7 +46,7 @@ def wheel_root(dist: str) -> Path:
     """Unpacked root of the pinned wheel of ``dist`` (a key of PINS); downloads it on first use."""
     version = PINS[dist]
     folder = cache_dir()
-    unpacked = folder / f"{dist}-{version}"
+    unpacked = folder / f"{dist}-{version}.unpacked-{_LAYOUT}"
     if (unpacked / ".complete").exists():
         return unpacked
     folder.mkdir(parents=True, exist_ok=True)
@@ -61,10 +64,13 @@ def wheel_root(dist: str) -> Path:
                 pytest.skip(message)
             pytest.fail(message)
     with zipfile.ZipFile(wheel) as archive:
-        # Only text sources are read: skip the multi-hundred-MB shared objects of the vLLM and torch_npu wheels.
-        members = [m for m in archive.namelist() if not m.endswith((".so", ".a")) and ".so." not in m]
+        # vLLM's CUDA kernels are hundreds of MB and never read; torch_npu's libtorch_npu.so (58 MB) is kept, the
+        # environment variables its C++ reads are found by their names in it.
+        members = archive.namelist()
+        if dist == "vllm":
+            members = [m for m in members if not m.endswith((".so", ".a")) and ".so." not in m]
         archive.extractall(unpacked, members)
-    (unpacked / ".complete").write_text(wheel.name)
+    (unpacked / ".complete").write_text(f"{wheel.name}\n{len(members)} members\n")
     return unpacked
 
 

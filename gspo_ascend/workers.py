@@ -107,6 +107,15 @@ class PolicyWorker:
             torch.distributed.destroy_process_group()
 
 
+def actor_env(cfg: Config, backend) -> dict[str, str]:
+    """Environment each actor process must start with: variables torch_npu reads once, at its start, which
+    happens in :meth:`PolicyWorker.setup` (``get_backend``) before any engine is built
+    (:func:`~gspo_ascend.engines.vllm_rollout.process_start_env`). A value exported on the driver wins."""
+    from .engines.vllm_rollout import process_start_env
+
+    return {key: os.environ.get(key, value) for key, value in process_start_env(cfg, backend).items()}
+
+
 def _init_ray(backend, world_size: int) -> None:
     import ray
 
@@ -150,11 +159,13 @@ class WorkerGroup:
             )
         remote = ray.remote(PolicyWorker)
         cfg_dict = to_dict(cfg)
+        env = actor_env(cfg, backend)  # Ray merges these into the job's env_vars, set before the process starts
         self.workers = [
             remote.options(
                 num_cpus=bundle["CPU"],
                 resources={k: v for k, v in bundle.items() if k != "CPU"},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+                **({"runtime_env": {"env_vars": env}} if env else {}),
             ).remote(cfg_dict, model_path, rank, self.world_size, threads)
             for rank in range(self.world_size)
         ]

@@ -11,7 +11,13 @@ exactly the contract ``log_softmax(logits / T)[y]``. With truncation on, vLLM re
 truncated, renormalised distribution, ``log_softmax(logits / T)[y] - log(kept mass)``, which is >= the contract
 value; no vLLM mode returns the untruncated tempered value (``raw_logprobs`` is untempered), so we document it,
 test it, and the trainer should recompute old log-probs (``algorithm.old_logprobs=recompute``) in that case.
-Greedy requests (T = 0) are scored at T = 1.
+Greedy requests (T = 0) are scored at T = 1. vllm-ascend 0.11 ignores ``logprobs_mode`` (its model runner builds
+the sampler without it) and would return raw log-probs, before temperature and truncation; right after start the
+engine asks every worker to apply :func:`gspo_ascend.patches.vllm_ascend.honour_logprobs_mode` and to report the
+mode its sampler really uses (:attr:`VLLMRolloutEngine.logprobs_mode`). Should a worker still report another
+mode, settings under which that differs (``rollout.temperature`` not 0 / 1, ``rollout.top_p`` < 1,
+``rollout.top_k`` on) are refused with ``algorithm.old_logprobs=engine`` and warned about once otherwise (the
+``rollout/logprob_gap_*`` metrics then include that difference).
 
 Weight updates. In vLLM 0.32 (V1 engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, the default and the only mode the
 CPU build supports properly) the model lives in a worker process behind the engine-core process. A
@@ -26,10 +32,13 @@ layerwise reload that ``Worker.reload_weights(weights_iterator=...)`` itself run
 it takes checkpoint-format (HF) names, fuses qkv / gate_up / experts, shards for TP and re-runs the kernel
 post-processing -- which the CPU build needs, because its kernels repack weights after loading (a plain
 ``load_weights`` into the repacked parameters fails there). Splitting into begin / chunk / finish calls bounds the
-memory to one bucket instead of the whole model. vLLM without the reload module (older vllm-ascend) falls back to
-``load_weights`` per bucket, which needs ``VLLM_ASCEND_ENABLE_NZ=0`` (no NZ repacking). The prefix cache is reset
-after every update. vLLM's NCCL / CUDA-IPC weight-transfer engines (``weight_transfer_config``) are not used:
-they are CUDA-only and need a trainer-side peer engine; on GPU they would be the faster path.
+memory to one bucket instead of the whole model. vLLM without the reload module (vLLM 0.11, the vllm-ascend 0.11
+pin) falls back to ``load_weights`` per bucket, which needs ``VLLM_ASCEND_ENABLE_NZ=0`` (no NZ repacking); there,
+vllm-ascend's MoE post-processing has dropped the experts' weight loaders and transposed the expert weights, and
+:func:`gspo_ascend.patches.vllm_ascend.reattach_moe_weight_loaders` gives them loaders that write the new weights
+in that layout, in place, before each update. The prefix cache is reset after every update. vLLM's NCCL /
+CUDA-IPC weight-transfer engines (``weight_transfer_config``) are not used: they are CUDA-only and need a
+trainer-side peer engine; on GPU they would be the faster path.
 
 Sleep mode (level 1: weights to host, KV cache dropped) is enabled where vLLM's platform says it is available
 (CUDA, ROCm, XPU, Ascend); on the CPU build ``enable_sleep_mode`` raises, so ``sleep`` / ``wake_up`` are no-ops.
@@ -78,6 +87,7 @@ import torch
 
 from ..compile import resolve_enforce_eager
 from ..errors import ConfigError, UserError
+from ..patches._core import APPLIED, SKIPPED
 from .base import SampleBatch, SamplingParams, check_prompt_tokens
 
 if TYPE_CHECKING:
@@ -90,6 +100,7 @@ EXTENSION = f"{__name__}.WeightSyncExtension"
 BUCKET_BYTES = 256 * 2**20  # tensors per weight-sync RPC: bounds the extra host memory on both sides
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_HEADROOM = 1.25  # KV blocks are allocated per 128-token block; prefix caching keeps finished blocks around
+LOGPROBS_MODE = "processed_logprobs"  # tempered (and truncated) log-probs of the sampled token (module docstring)
 
 
 # ----------------------------------------------------------------------------------------------- platform env
@@ -111,6 +122,25 @@ def kv_cache_gib(cfg: Config, hf_config: dict[str, Any]) -> int:
     return max(1, math.ceil(need / 2**30))
 
 
+def process_start_env(cfg: Config, backend: Backend) -> dict[str, str]:
+    """Variables torch_npu reads once, when it starts in a process: they must be in the environment a worker
+    process starts with (:func:`gspo_ascend.workers.actor_env` puts them in each Ray actor's ``runtime_env``).
+
+    * npu + ``rollout.engine=vllm``: ``TASK_QUEUE_ENABLE`` 2 in eager mode, 1 with ACL graphs
+      (../shared/reference/npu_api.md section 5). torch_npu has read it by the time a worker builds this engine:
+      ``PolicyWorker.setup`` resolves the npu backend (imports torch_npu) and sets the device first, so setting it
+      here would reach vLLM's spawned worker processes (TP = 1) but not the in-process engine of rollout TP
+      (external launcher) nor the trainer in the same process (../shared/reference/upstream-audit.md).
+    """
+    if backend.name != "npu" or cfg.rollout.engine != "vllm":
+        return {}
+    return {"TASK_QUEUE_ENABLE": _task_queue_level(cfg, backend)}
+
+
+def _task_queue_level(cfg: Config, backend: Backend) -> str:
+    return "2" if resolve_enforce_eager(cfg.rollout.enforce_eager, backend) else "1"
+
+
 def platform_env_defaults(backend: Backend, cfg: Config, hf_config: dict[str, Any]) -> dict[str, str]:
     """Environment vLLM reads at engine start for this backend: the one place for vendor env defaults.
 
@@ -118,15 +148,16 @@ def platform_env_defaults(backend: Backend, cfg: Config, hf_config: dict[str, An
       ``VLLM_CPU_KVCACHE_SPACE`` in GiB (without it vLLM reserves ``gpu_memory_utilization`` of *host* RAM
       and refuses to start when other processes hold that much).
     * npu (vllm-ascend): ``VLLM_ASCEND_ENABLE_NZ=0`` -- the NZ weight layout breaks in-place weight updates, RL
-      needs it off (verl sets the same); ``TASK_QUEUE_ENABLE`` 2 in eager mode, 1 with ACL graphs
-      (../shared/reference/npu_api.md section 5).
+      needs it off (verl sets the same); vllm-ascend reads it when the model loads (``envs.py``, ``utils.py``
+      ``is_enable_nz``), so setting it here is in time. Plus :func:`process_start_env` (``TASK_QUEUE_ENABLE``),
+      for vLLM's worker processes that start after this, when the process itself did not start with it.
     """
     env: dict[str, str] = {}
     if backend.torch_device_type == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(cfg, hf_config))
     if backend.name == "npu":
         env["VLLM_ASCEND_ENABLE_NZ"] = "0"
-        env["TASK_QUEUE_ENABLE"] = "2" if resolve_enforce_eager(cfg.rollout.enforce_eager, backend) else "1"
+        env["TASK_QUEUE_ENABLE"] = _task_queue_level(cfg, backend)  # process_start_env's, for vLLM's own workers
     return env
 
 
@@ -256,13 +287,28 @@ class WeightSyncExtension:
         self._gspo_loaded: set[str] = set()
         try:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-        except ImportError:  # vLLM before the layerwise reload module (e.g. vllm-ascend 0.11): plain load_weights
+        except ImportError:  # vLLM before the layerwise reload module (vLLM 0.11 under vllm-ascend): load_weights
+            from gspo_ascend.patches.vllm_ascend import reattach_moe_weight_loaders
+
             self._gspo_layerwise = False
+            # vllm-ascend's MoE post-processing dropped the expert weight loaders (patches/vllm_ascend.py)
+            entry = reattach_moe_weight_loaders(self.model_runner.get_model())
+            if entry.status == APPLIED:
+                log.info("vllm rollout: patch %s %s: %s", entry.target, entry.status, entry.detail)
             return False
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
         self._gspo_layerwise = True
         return True
+
+    def gspo_honour_logprobs_mode(self) -> list[str]:
+        """Make this worker's sampler return the engine's ``logprobs_mode`` (vllm-ascend 0.11 builds it without);
+        returns ``[patch status, detail, the mode the sampler now returns]``, strings for the RPC reply."""
+        from gspo_ascend.patches.vllm_ascend import effective_logprobs_mode, honour_logprobs_mode
+
+        mode = getattr(self.vllm_config.model_config, "logprobs_mode", LOGPROBS_MODE)
+        entry = honour_logprobs_mode(self.model_runner, mode)
+        return [entry.status, entry.detail, effective_logprobs_mode(self.model_runner) or "unknown"]
 
     def gspo_load_weights(self, payload: bytes) -> int:
         """One bucket: safetensors bytes of HF-named tensors -> ``model.load_weights``; returns the tensor count."""
@@ -398,9 +444,13 @@ class VLLMRolloutEngine:
         self.last_sync: dict[str, float] = {}
         if self.external_launcher and self.host_build:
             _clear_stale_cpu_shm(tp)
+        if self.external_launcher:
+            _warn_late_process_env(self.env, process_start_env(cfg, backend))
         start = time.perf_counter()
         self.llm = self._build_llm(model_path)
         self.start_seconds = time.perf_counter() - start
+        self._warned_raw_logprobs = False
+        self.logprobs_mode = self._verify_logprobs_mode()
         tokenizer = self.llm.get_tokenizer()
         self.pad_token_id = _first_int(tokenizer.pad_token_id, hf_config.get("pad_token_id"), tokenizer.eos_token_id)
         self.vocab_size = int(hf_config["vocab_size"])
@@ -436,7 +486,7 @@ class VLLMRolloutEngine:
             "max_num_batched_tokens": r.max_num_batched_tokens,
             "gpu_memory_utilization": r.gpu_memory_utilization,
             "enforce_eager": resolve_enforce_eager(r.enforce_eager, self.backend),
-            "logprobs_mode": "processed_logprobs",  # tempered log-probs of the sampled token (module docstring)
+            "logprobs_mode": LOGPROBS_MODE,
             "enable_sleep_mode": self.sleep_supported,
             "worker_extension_cls": EXTENSION,
         }
@@ -452,6 +502,44 @@ class VLLMRolloutEngine:
         except ValueError as exc:  # vLLM's own config validation: keep its message, name our keys
             raise ConfigError(f"vLLM refused the rollout config ({str(exc).splitlines()[0]}); see rollout.*") from exc
 
+    def _verify_logprobs_mode(self) -> str:
+        """Have every worker's sampler return ``LOGPROBS_MODE`` (vllm-ascend 0.11 ignores the engine's
+        ``logprobs_mode``: patches/vllm_ascend.py) and return the mode the workers report. If that is not
+        ``LOGPROBS_MODE``, settings under which it differs are refused with ``algorithm.old_logprobs=engine``
+        (the engine's log-probs would be pi_old) and warned about once otherwise."""
+        reports = {tuple(r) for r in self.llm.collective_rpc("gspo_honour_logprobs_mode")}
+        for status, detail, _ in reports:
+            if status != SKIPPED:
+                log.info("vllm rollout: patch logprobs_mode %s: %s", status, detail)
+        modes = {mode for _, _, mode in reports}
+        mode = modes.pop() if len(modes) == 1 else "mixed"
+        if mode == LOGPROBS_MODE:
+            return mode
+        why = "; ".join(sorted({detail for _, detail, _ in reports}))
+        r = self.cfg.rollout
+        keys = _raw_differs(r.temperature, r.top_p, r.top_k)
+        if keys and self.cfg.algorithm.old_logprobs == "engine":
+            self.close()
+            raise ConfigError(
+                f"config key 'algorithm.old_logprobs' (engine) needs {LOGPROBS_MODE} from the rollout engine, but "
+                f"this vLLM returns {mode} log-probs ({why}), which ignore {', '.join(keys)}; set "
+                "algorithm.old_logprobs=recompute"
+            )
+        if keys:
+            self._warn_raw_logprobs(mode, keys, why)
+        return mode
+
+    def _warn_raw_logprobs(self, mode: str, keys: list[str], why: str) -> None:
+        if not self._warned_raw_logprobs:
+            self._warned_raw_logprobs = True
+            log.warning(
+                "vllm rollout: engine log-probs are %s (%s): they ignore %s, so rollout/logprob_gap_* includes that "
+                "difference; pi_old must come from algorithm.old_logprobs=recompute",
+                mode,
+                why,
+                ", ".join(keys),
+            )
+
     # ------------------------------------------------------------------------------------------- generate
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SampleBatch:
@@ -459,6 +547,10 @@ class VLLMRolloutEngine:
 
         prompts = [[int(t) for t in p] for p in prompts]
         self._check_request(prompts, params)
+        if self.logprobs_mode != LOGPROBS_MODE and (
+            keys := _raw_differs(params.temperature, params.top_p, params.top_k)
+        ):
+            self._warn_raw_logprobs(self.logprobs_mode, keys, "see the engine start")
         requests = [{"prompt_token_ids": p} for p in prompts]
         per_prompt = [
             VllmSamplingParams(
@@ -649,6 +741,28 @@ def _keep_caller_process_group() -> bool:
     return True
 
 
+def _raw_differs(temperature: float, top_p: float, top_k: int) -> list[str]:
+    """The sampling settings under which raw log-probs (``log_softmax(logits)``) differ from processed ones
+    (after temperature and top-k / top-p), as config keys. Greedy (T = 0) is scored at T = 1 either way."""
+    keys = ["rollout.temperature"] if temperature not in (0.0, 1.0) else []
+    keys += ["rollout.top_p"] if top_p < 1 else []
+    return keys + (["rollout.top_k"] if top_k not in (-1, 0) else [])
+
+
+def _warn_late_process_env(applied: dict[str, str], needed: dict[str, str]) -> None:
+    """One warning when a variable torch_npu reads at process start was only set now, after torch_npu started in
+    this process, which the in-process engine (external launcher) shares (:func:`process_start_env`)."""
+    import sys
+
+    late = sorted(k for k in needed if k in applied)
+    if late and "torch_npu" in sys.modules:
+        log.warning(
+            "vllm rollout: %s set after torch_npu started in this process: no effect on the in-process rollout; "
+            "start workers through gspo-ascend (each Ray actor starts with it) or export it before starting",
+            ", ".join(f"{k}={applied[k]}" for k in late),
+        )
+
+
 def _serialize(bucket: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
 
@@ -678,6 +792,7 @@ def build_vllm_rollout(cfg: Config, backend: Backend, model_path: str) -> VLLMRo
 
 __all__ = [
     "BUCKET_BYTES",
+    "LOGPROBS_MODE",
     "VLLMRolloutEngine",
     "WeightSyncExtension",
     "apply_env_defaults",
@@ -687,6 +802,7 @@ __all__ = [
     "gather_rollout_shards",
     "kv_cache_gib",
     "platform_env_defaults",
+    "process_start_env",
     "rollout_tp_groups",
     "split_rollout_prompts",
     "vllm_release",

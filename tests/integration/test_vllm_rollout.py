@@ -176,6 +176,13 @@ class TestDense:
             if n < 32:
                 assert int(batch.response_ids[i, n - 1]) == EOS
 
+    def test_workers_report_processed_logprobs(self, engine):
+        """vLLM's own runner builds its sampler with the engine's logprobs_mode: the vllm-ascend patch is not needed
+        here, and the RPC reply (through msgpack / pickle) says so."""
+        assert engine.logprobs_mode == "processed_logprobs"
+        status, detail, mode = engine.llm.collective_rpc("gspo_honour_logprobs_mode")[0]
+        assert (status, mode) == ("skipped", "processed_logprobs") and "not needed" in detail
+
     def test_seeded_generation_is_reproducible(self, engine, path):
         from gspo_ascend.engines.base import SamplingParams
         from gspo_ascend.engines.vllm_rollout import vllm_release

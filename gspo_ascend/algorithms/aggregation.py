@@ -27,9 +27,9 @@ Choices (and why):
 - Masked positions are removed with ``torch.where``, not multiplication, so inf/NaN written into padding
   cannot leak into the loss or its gradient (0 * inf = NaN, where(False, inf, 0) = 0).
 
-Differences from verl: verl's GSPO ignores ``loss_agg_mode`` for the policy-gradient term and always uses
-seq-mean-token-mean; we honour the requested mode for every loss. verl's agg_loss multiplies by the DP size;
-we leave that to the engine.
+Differences from verl: verl 0.6.1-0.9.0's GSPO ignores ``loss_agg_mode`` for the policy-gradient term and always
+uses seq-mean-token-mean (0.9.1 honours it, default token-mean); we honour the requested mode for every loss.
+verl's agg_loss multiplies by the DP size; we leave that to the engine.
 """
 
 from __future__ import annotations

@@ -59,8 +59,9 @@ Differences from the paper: the paper's objectives are the seq-mean-token-mean c
 dual clip; the other aggregation modes, the dual clip and the global counts are options (defaults = paper),
 the clamp is a numerical guard, and empty responses (which the paper never has) are dropped from G.
 
-Differences from verl (compute_policy_loss_gspo): verl always aggregates GSPO with seq-mean-token-mean
-whatever ``loss_agg_mode`` says and logs only token-level clip fraction and KL; we honour the mode and log
+Differences from verl (compute_policy_loss_gspo): verl 0.6.1-0.9.0 aggregate GSPO with seq-mean-token-mean
+whatever ``loss_agg_mode`` says; verl 0.9.1 honours the mode as we do (its actor default is token-mean, so the
+paper's aggregation must be asked for there). verl logs only token-level clip fraction and KL; we log
 sequence-level metrics. verl implements "gspo" in the GSPO-token form; we implement eq. 5 directly and keep
 GSPO-token as its own loss (same value and gradient when A_it = A_i; tested). ChatLearn aggregates GSPO by
 token-mean over the global batch (long responses weigh more); here that is agg_mode="token-mean", opt-in.

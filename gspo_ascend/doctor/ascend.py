@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .check import Check
 from .matrix import CANN_TORCH_NPU
-from .versions import compare, key
+from .versions import compare, key, release
 
 DRIVER_INFO = "/usr/local/Ascend/driver/version.info"
 FIRMWARE_INFO = "/usr/local/Ascend/firmware/version.info"
@@ -197,7 +197,22 @@ def check_atb(ctx) -> list[Check]:
 
 
 def cann_for_torch_npu(torch_npu: str) -> str | None:
-    return next((row.cann for row in CANN_TORCH_NPU if torch_npu in row.torch_npu), None)
+    """The CANN a torch_npu build is made for. Ascend rebuilds each torch_npu base release (2.7.1) as post builds
+    for later CANNs, and the table lists only some of them: a build goes with the nearest listed build of its base
+    at or below it (2.7.1.post6 -> 2.7.1.post4, CANN 9.0.0; 2.7.1.post11 -> 2.7.1.post8, CANN 9.1.0). A release
+    whose base is not listed at all goes with the first range row (first … last, PEP 440 order) containing it."""
+    same_base = [
+        (build, row.cann)
+        for row in CANN_TORCH_NPU
+        for build in row.torch_npu
+        if release(build) == release(torch_npu) and compare(build, torch_npu) <= 0
+    ]
+    if same_base:
+        return max(same_base, key=lambda pair: key(pair[0]))[1]
+    for row in CANN_TORCH_NPU:
+        if row.is_range and compare(row.torch_npu[0], torch_npu) <= 0 <= compare(row.torch_npu[-1], torch_npu):
+            return row.cann
+    return None
 
 
 def check_torch_npu(ctx) -> list[Check]:

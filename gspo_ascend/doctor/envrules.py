@@ -8,9 +8,10 @@ platform; "multi-node" rules need ``--config`` (trainer.nnodes) and are skipped 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .check import Check
+from .versions import matches
 
 Env = Mapping[str, str]
 
@@ -20,6 +21,7 @@ class Situation:
     multi_node: bool | None  # None = unknown (no config)
     vllm: bool
     graph_mode: bool  # vLLM ACL graph (rollout.enforce_eager=false); eager everywhere else
+    torch_npu: str | None = None  # the checked torch_npu version (None = unknown); env_checks fills it in
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,60 @@ def _nic(env: Env, s: Situation) -> str | None:
     missing = [] if env.get("HCCL_SOCKET_IFNAME") or env.get("HCCL_IF_IP") else ["HCCL_SOCKET_IFNAME/HCCL_IF_IP"]
     missing += [] if env.get("GLOO_SOCKET_IFNAME") else ["GLOO_SOCKET_IFNAME"]
     return f"multi-node run without {' and '.join(missing)}: ranks may pick a docker or lo NIC" if missing else None
+
+
+# The name torch_npu's HCCL watchdog switch is read under, from the strings of torch_npu/lib/libtorch_npu.so in the
+# PyPI wheels (cp311 x86_64): 2.7.1, 2.7.1.post2 … post10, 2.8.0, 2.8.0.post2, 2.9.0 and 2.10.0 contain only
+# HCCL_ASYNC_ERROR_HANDLING ("Enabling HCCL_ASYNC_ERROR_HANDLING."); 2.7.1.post11 reads
+# TORCH_HCCL_ASYNC_ERROR_HANDLING and warns "HCCL_ASYNC_ERROR_HANDLING is deprecated, please use
+# TORCH_HCCL_ASYNC_ERROR_HANDLING instead.". Builds outside these specs were not read: for them the rule only
+# reports the two names disagreeing.
+ASYNC_ERROR_OLD, ASYNC_ERROR_NEW = "HCCL_ASYNC_ERROR_HANDLING", "TORCH_HCCL_ASYNC_ERROR_HANDLING"
+ASYNC_ERROR_NAMES = (
+    (">=2.7.1,<2.7.1.post11", ASYNC_ERROR_OLD),
+    ("==2.7.1.post11", ASYNC_ERROR_NEW),
+    (">=2.8.0,<=2.8.0.post2", ASYNC_ERROR_OLD),
+    ("==2.9.0", ASYNC_ERROR_OLD),
+    ("==2.10.0", ASYNC_ERROR_OLD),
+)
+
+
+def async_error_name(torch_npu: str | None) -> str | None:
+    """The watchdog variable a torch_npu build reads, where its wheel was read (see ASYNC_ERROR_NAMES)."""
+    if not torch_npu:
+        return None
+    return next((name for spec, name in ASYNC_ERROR_NAMES if matches(torch_npu, spec)), None)
+
+
+def _async_error(env: Env, s: Situation) -> str | None:
+    old, new = env.get(ASYNC_ERROR_OLD), env.get(ASYNC_ERROR_NEW)
+    if old is not None and new is not None and old != new:
+        return f"{ASYNC_ERROR_OLD}={old} and {ASYNC_ERROR_NEW}={new} disagree; which one wins depends on the build"
+    reads = async_error_name(s.torch_npu)
+    other = ASYNC_ERROR_NEW if reads == ASYNC_ERROR_OLD else ASYNC_ERROR_OLD
+    if reads is None or env.get(reads) is not None or env.get(other) is None:
+        return None
+    if reads == ASYNC_ERROR_NEW:
+        return f"{other}={env[other]} is deprecated in torch_npu {s.torch_npu}, which reads {reads}"
+    return f"{other}={env[other]} is not read by torch_npu {s.torch_npu} (only {reads}): the setting has no effect"
+
+
+def _async_error_fix(env: Env, s: Situation) -> str:
+    reads = async_error_name(s.torch_npu)
+    old, new = env.get(ASYNC_ERROR_OLD), env.get(ASYNC_ERROR_NEW)
+    if old is not None and new is not None:
+        return "give both the same value" + (f" (torch_npu {s.torch_npu} reads {reads})" if reads else "")
+    return f"export {reads}={old if new is None else new}"
+
+
+# torch_npu's caching allocator reads PYTORCH_NPU_ALLOC_CONF; no torch_npu wheel read (2.7.1 … 2.7.1.post11, 2.8.0,
+# 2.8.0.post2, 2.9.0, 2.10.0: libtorch_npu.so and the Python sources) contains the string PYTORCH_ALLOC_CONF.
+def _alloc_conf(env: Env, s: Situation) -> str | None:
+    if "PYTORCH_ALLOC_CONF" not in env:
+        return None
+    npu = env.get("PYTORCH_NPU_ALLOC_CONF")
+    counts = f"PYTORCH_NPU_ALLOC_CONF={npu} is what applies" if npu else "PYTORCH_NPU_ALLOC_CONF is unset"
+    return f"PYTORCH_ALLOC_CONF={env['PYTORCH_ALLOC_CONF']} is ignored on NPU (torch_npu never reads it); {counts}"
 
 
 def _nz(env: Env, s: Situation) -> str | None:
@@ -122,14 +178,18 @@ ENV_RULES = (
     EnvRule(
         "PYTORCH_ALLOC_CONF",
         "npu",
-        lambda e, s: (
-            "PYTORCH_NPU_ALLOC_CONF and PYTORCH_ALLOC_CONF are both set (torch_npu rejects this)"
-            if e.get("PYTORCH_NPU_ALLOC_CONF") and e.get("PYTORCH_ALLOC_CONF")
-            else None
-        ),
-        "fail",
-        lambda e, s: "keep one of them (PYTORCH_NPU_ALLOC_CONF on torch_npu < 2.10)",
+        _alloc_conf,
+        "warn",
+        lambda e, s: "put the allocator options in PYTORCH_NPU_ALLOC_CONF and unset PYTORCH_ALLOC_CONF",
         ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF"),
+    ),
+    EnvRule(
+        "HCCL_ASYNC_ERROR_HANDLING",
+        "npu",
+        _async_error,
+        "warn",
+        _async_error_fix,
+        (ASYNC_ERROR_OLD, ASYNC_ERROR_NEW),
     ),
     EnvRule(
         "HCCL_INTRA_ROCE_ENABLE",
@@ -162,7 +222,8 @@ def _applies(rule: EnvRule, s: Situation) -> bool:
 def env_checks(ctx) -> list[Check]:
     if ctx.platform != "npu":
         return []
-    env, s = ctx.env, situation(ctx)
+    # situation() reads only the config (the env profiles' tests call it with nothing else); the version is ours
+    env, s = ctx.env, replace(situation(ctx), torch_npu=ctx.versions.get("torch-npu"))
     checks = []
     for rule in ENV_RULES:
         if not _applies(rule, s):

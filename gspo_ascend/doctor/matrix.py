@@ -2,7 +2,8 @@
 rendered from it (``python -m gspo_ascend.doctor.matrix > docs/version-matrix.md``; a test keeps them equal).
 
 Sources are the vendors' own tables (Ascend/pytorch COMPATIBILITY, vllm-ascend versioning policy, MindSpeed
-README), verl's Ascend Dockerfile for the tested stack, and our CPU lock file. Peers (verl, MindSpeed-RL)
+README), the metadata of the released wheels where they pin each other (vllm-ascend's Requires-Dist), verl's
+Ascend Dockerfile for the NPU stack, and our CPU lock file. Peers (verl, MindSpeed-RL)
 state these pairings in prose or Dockerfiles; none checks an installed machine against them.
 """
 
@@ -13,6 +14,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CannRow:
+    """torch_npu builds made for one CANN release. A build the table does not list is matched by
+    :func:`gspo_ascend.doctor.ascend.cann_for_torch_npu`: a post build goes with the nearest listed build of its
+    base release at or below it, another release with the range row (first … last) that contains it."""
+
     cann: str
     torch_npu: tuple[str, ...]
     is_range: bool = False  # the source gives "first … last" instead of every release
@@ -33,6 +38,7 @@ class MindSpeedRow:
     torchnpu_product: str | None
     torch: str | None
     megatron_core: str | None  # the core_rX.Y.Z branch it patches, where published
+    installs_as: str | None = None  # the version its branch's setup.py declares, where it is not `mindspeed`
 
 
 @dataclass(frozen=True)
@@ -75,21 +81,29 @@ CANN_TORCH_NPU = (
     CannRow("9.1.0", ("2.7.1.post8", "2.12.0"), is_range=True),
 )
 
-# vllm-ascend docs/source/community/versioning_policy.md; vllm-ascend X.Y.Z* runs on vllm X.Y.Z.
+# vllm-ascend docs/source/community/versioning_policy.md; vllm-ascend X.Y.Z* runs on vllm X.Y.Z. The 0.11.0 line
+# is read from the PyPI wheels' METADATA (vllm_ascend-0.11.0rc0 … 0.11.0rc3 and 0.11.0, cp311): rc0 declares
+# torch-npu==2.7.1.dev20250724 and "CANN >= 8.2.rc1"; rc1, rc2, rc3 and 0.11.0 declare torch==2.7.1,
+# torch-npu==2.7.1 and "CANN >= 8.3.rc1" (the versioning policy's 8.3.RC2 / 2.7.1.post1 for 0.11.0 is not what the
+# wheel pins).
 VLLM_ASCEND = (
     VllmAscendRow(("0.9.1", "0.9.1"), "8.2.RC1", "2.5.1.post1"),
     VllmAscendRow(("0.10.0rc1", "0.11.0rc0"), "8.2.RC1", "2.7.1.dev20250724"),
     VllmAscendRow(("0.11.0rc1", "0.11.0rc1"), "8.3.RC1", "2.7.1"),
-    VllmAscendRow(("0.11.0", "0.11.0"), "8.3.RC2", "2.7.1.post1"),
+    VllmAscendRow(("0.11.0rc2", "0.11.0rc2"), "8.3.RC1", "2.7.1"),
+    VllmAscendRow(("0.11.0rc3", "0.11.0rc3"), "8.3.RC1", "2.7.1"),
+    VllmAscendRow(("0.11.0", "0.11.0"), "8.3.RC1", "2.7.1"),
     VllmAscendRow(("0.13.0", "0.13.0"), "8.5.0", "2.8.0.post2"),
     VllmAscendRow(("0.20.0", "0.22.99"), "9.0.0", "2.10.0", "0.20 – 0.22"),
     VllmAscendRow(("0.23.0", "0.23.0"), "9.1.0", "2.10.0.post4"),
 )
 
-# MindSpeed README; branch "2.2.0_core_r0.12.1" patches Megatron core_v0.12.1.
+# MindSpeed README; branch "2.2.0_core_r0.12.1" patches Megatron core_v0.12.1. That branch's setup.py sets
+# __version__ = '0.12.1' (MindSpeed-2.2.0_core_r0.12.1/setup.py, ../shared/upstream), so pip and doctor see
+# `mindspeed 0.12.1` for MindSpeed 2.2.0: 0.12.1 = branch 2.2.0_core_r0.12.1.
 MINDSPEED = (
     MindSpeedRow("2.1.0", "8.2.RC1", "7.1.RC1", None, None),
-    MindSpeedRow("2.2.0", "8.3.RC1", "7.2.0", "2.7.1", "0.12.1"),
+    MindSpeedRow("2.2.0", "8.3.RC1", "7.2.0", "2.7.1", "0.12.1", installs_as="0.12.1"),
     MindSpeedRow("2.3.0", "8.3.RC1", "7.3.RC1", None, None),
     MindSpeedRow("26.0.0", "9.0", None, None, None),
     MindSpeedRow("26.1.0", "9.1", None, None, None),
@@ -100,19 +114,21 @@ TORCH_PYTHON = {"2.7": ("3.9", "3.13"), "2.8": ("3.9", "3.13"), "2.9": ("3.10", 
 
 STACKS = (
     Stack(
-        "verl-tested Ascend stack",
+        "gspo-ascend Ascend stack",
         "npu",
         (
             ("cann", "==8.3.RC1"),
             ("torch", "==2.7.1"),
             ("torch-npu", "==2.7.1"),
             ("vllm", "==0.11.0"),
-            ("vllm-ascend", "==0.11.0rc1"),
+            ("vllm-ascend", "==0.11.0"),
             ("megatron-core", "==0.12.1"),
             ("mindspeed", "==2.2.0"),
-            ("transformers", "==4.57.*"),
+            ("transformers", "==4.57.1"),
         ),
-        "verl docker/ascend/Dockerfile.ascend_8.3.rc1_a2 (transformers 4.57.6, triton-ascend 3.2.0rc4)",
+        "requirements-npu.txt: the stack of verl's docker/ascend/Dockerfile.ascend_8.3.rc1_a2 (which has vllm-ascend "
+        "0.11.0rc1, transformers 4.57.6, triton-ascend 3.2.0rc4) moved to the vllm-ascend 0.11.0 wheel and the "
+        "transformers<=4.57.1 that wheel declares",
     ),
     Stack(
         "gspo-ascend CPU stack",
@@ -136,7 +152,8 @@ KNOWN_BAD = (
         ("npu",),
         "its flash_attention_2 path demands the flash_attn package, which cannot be installed on Ascend "
         "(PackageNotFoundError: No package metadata was found for flash_attn; transformers #40262)",
-        "install transformers 4.57.6 (verl's pin) or 4.52.4, or use model.attn_implementation=sdpa",
+        "install transformers 4.57.1 (requirements-npu.txt; 4.57.6 where vllm-ascend < 0.11.0rc3) or 4.52.4, or use "
+        "model.attn_implementation=sdpa",
     ),
 )
 
@@ -149,6 +166,15 @@ REQUIREMENTS = (
     ),
     Requirement("mbridge", "*", "einops", "*", ("cpu", "npu", "cuda"), "mbridge imports einops without declaring it"),
     Requirement("vllm", "==0.11.*", "torch", "==2.8.0", ("cuda",), "vLLM 0.11 CUDA wheels are built for torch 2.8.0"),
+    # METADATA of the vllm_ascend 0.11.0rc3 and 0.11.0 wheels (rc0 … rc2 do not cap transformers)
+    Requirement(
+        "vllm-ascend",
+        ">=0.11.0rc3,<=0.11.0",
+        "transformers",
+        "<=4.57.1",
+        ("npu",),
+        "vllm-ascend 0.11.0rc3 / 0.11.0 declare transformers<=4.57.1",
+    ),
 )
 
 
@@ -240,15 +266,25 @@ def render_markdown() -> str:
     for stack in STACKS:
         lines += [f"## {stack.name} ({stack.platform})", "", f"Source: {stack.source}.", ""]
         lines += _table(("package", "version"), [(p, f"`{s}`") for p, s in stack.pins]) + [""]
-    lines += ["## CANN and torch_npu", "", "torch_npu X.Y.Z[.postN] needs torch X.Y.Z.", ""]
+    lines += [
+        "## CANN and torch_npu",
+        "",
+        "torch_npu X.Y.Z[.postN] needs torch X.Y.Z. A post build not listed goes with the nearest listed build of "
+        "the same X.Y.Z below it (2.7.1.post6 -> 2.7.1.post4); another release with the range (first … last) "
+        "that contains it.",
+        "",
+    ]
     rows = [(r.cann, (" … " if r.is_range else ", ").join(r.torch_npu)) for r in CANN_TORCH_NPU]
     lines += _table(("CANN", "torch_npu"), rows) + [""]
     lines += ["## vllm-ascend", "", "vllm-ascend X.Y.Z* runs on vllm X.Y.Z.", ""]
     rows = [(r.label or _bounds(r.vllm_ascend), r.cann, r.torch_npu) for r in VLLM_ASCEND]
     lines += _table(("vllm-ascend", "CANN", "torch / torch_npu"), rows) + [""]
-    lines += ["## MindSpeed", ""]
-    rows = [(r.mindspeed, r.cann, r.torchnpu_product or "-", r.torch or "-", r.megatron_core or "-") for r in MINDSPEED]
-    lines += _table(("MindSpeed", "CANN", "TorchNPU product", "torch", "megatron-core"), rows) + [""]
+    lines += ["## MindSpeed", "", "pip shows a MindSpeed branch under the version its setup.py declares.", ""]
+    rows = [
+        (r.mindspeed, r.cann, r.torchnpu_product or "-", r.torch or "-", r.megatron_core or "-", _installs_as(r))
+        for r in MINDSPEED
+    ]
+    lines += _table(("MindSpeed", "CANN", "TorchNPU product", "torch", "megatron-core", "pip shows"), rows) + [""]
     lines += ["## Python per torch", ""]
     lines += _table(("torch", "Python"), [(t, f"{lo} – {hi}") for t, (lo, hi) in TORCH_PYTHON.items()]) + [""]
     lines += ["## Known-bad releases", ""]
@@ -274,6 +310,12 @@ def _render_pinned_run(run: PinnedRun) -> list[str]:
     lines += _table(("package", "version"), list(run.packages)) + [""]
     lines += _table(("test file", "result"), [(f"`{t}`", r) for t, r in run.results]) + [""]
     return lines + ["What changed for these releases:", ""] + [f"- {c}" for c in run.changes]
+
+
+def _installs_as(row: MindSpeedRow) -> str:
+    if not row.installs_as:
+        return "-"
+    return f"{row.installs_as} = branch {row.mindspeed}_core_r{row.megatron_core}"
 
 
 def _bounds(bounds: tuple[str, str]) -> str:

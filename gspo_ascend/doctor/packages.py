@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .ascend import cann_for_torch_npu
 from .check import Check
-from .matrix import KNOWN_BAD, MINDSPEED, REQUIREMENTS, STACKS, TORCH_PYTHON, VLLM_ASCEND
+from .matrix import KNOWN_BAD, MINDSPEED, REQUIREMENTS, STACKS, TORCH_PYTHON, VLLM_ASCEND, MindSpeedRow
 from .versions import compare, matches, release
 
 
@@ -105,13 +105,23 @@ def check_vllm_ascend(seen: dict[str, str]) -> list[Check]:
     return [Check("compat-vllm-ascend", status, f"vllm-ascend {va}: " + "; ".join(problems), fix)]
 
 
+def mindspeed_row(version: str) -> MindSpeedRow | None:
+    """MindSpeed's row for a release number (2.2.0, from --versions) or for what pip shows of a branch install
+    (0.12.1: branch 2.2.0_core_r0.12.1 declares that version in its setup.py)."""
+    want = release(version)
+    return next((r for r in MINDSPEED if want in (release(r.mindspeed), release(r.installs_as or r.mindspeed))), None)
+
+
 def check_mindspeed(seen: dict[str, str]) -> list[Check]:
-    ms = seen.get("mindspeed")
-    if not ms:
+    version = seen.get("mindspeed")
+    if not version:
         return []
-    row = next((r for r in MINDSPEED if release(r.mindspeed) == release(ms)), None)
+    row = mindspeed_row(version)
     if row is None:
-        return [Check("compat-mindspeed", "warn", f"MindSpeed {ms} is not in the table", "see docs/version-matrix.md")]
+        return [
+            Check("compat-mindspeed", "warn", f"MindSpeed {version} is not in the table", "see docs/version-matrix.md")
+        ]
+    ms = row.mindspeed if release(version) == release(row.mindspeed) else f"{row.mindspeed} (pip: {version})"
     core = seen.get("megatron-core")
     if row.megatron_core and core != row.megatron_core:
         return [
@@ -119,11 +129,19 @@ def check_mindspeed(seen: dict[str, str]) -> list[Check]:
                 "compat-mindspeed",
                 "fail",
                 f"MindSpeed {ms} patches megatron-core {row.megatron_core}, found {core or 'none'}",
-                f"pip install megatron-core=={row.megatron_core} (MindSpeed branch {ms}_core_r{row.megatron_core})",
+                f"pip install megatron-core=={row.megatron_core} "
+                f"(MindSpeed branch {row.mindspeed}_core_r{row.megatron_core})",
             )
         ]
     if seen.get("cann") and compare(seen["cann"], row.cann) < 0:
-        return [Check("compat-mindspeed", "fail", f"MindSpeed {ms} needs CANN {row.cann}", f"install CANN {row.cann}")]
+        return [
+            Check(
+                "compat-mindspeed",
+                "fail",
+                f"MindSpeed {ms} needs CANN {row.cann}, found {seen['cann']}",
+                f"install CANN {row.cann}",
+            )
+        ]
     return [Check("compat-mindspeed", "ok", f"MindSpeed {ms} with megatron-core {core or '-'}")]
 
 
@@ -158,6 +176,9 @@ def check_stack(seen: dict[str, str], platform: str) -> list[Check]:
     stack = next((s for s in STACKS if s.platform == platform), None)
     if stack is None:
         return []
+    row = mindspeed_row(seen["mindspeed"]) if seen.get("mindspeed") else None
+    if row is not None:  # the stack pins MindSpeed releases; pip shows a branch's own version (0.12.1 = 2.2.0)
+        seen = {**seen, "mindspeed": row.mindspeed}
     differs = [
         f"{p} {seen.get(p, 'none')} (tested {spec.lstrip('=')})" for p, spec in stack.pins if not _pin_ok(seen, p, spec)
     ]

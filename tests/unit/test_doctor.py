@@ -12,6 +12,10 @@ from gspo_ascend.doctor.hardware import parse_npu_smi, parse_nvidia_smi, profile
 from gspo_ascend.doctor.runner import CommandResult
 from tests.fixtures.doctor.fakehost import HERE, SOURCED, VERL_STACK, context, make_sysroot, recorded
 
+# requirements-npu.txt's stack as pip lists it: verl's with the vllm-ascend 0.11.0 wheel and the transformers it
+# allows, and MindSpeed's branch 2.2.0_core_r0.12.1 under the version its setup.py declares.
+NPU_STACK = {**VERL_STACK, "vllm_ascend": "0.11.0", "transformers": "4.57.1", "mindspeed": "0.12.1"}
+
 
 def by_name(checks):
     out = {}
@@ -20,7 +24,7 @@ def by_name(checks):
     return out
 
 
-def atlas(tmp_path, *, env=None, planned=VERL_STACK, npu="npu-smi-info-8x910B3.txt", **sysroot_kw):
+def atlas(tmp_path, *, env=None, planned=NPU_STACK, npu="npu-smi-info-8x910B3.txt", **sysroot_kw):
     root = make_sysroot(tmp_path / "root", **sysroot_kw)
     ctx = context(tmp_path, sysroot=root, env=SOURCED if env is None else env, planned=planned, runner=recorded(npu))
     checks = run_checks(ctx)
@@ -65,8 +69,16 @@ def test_consistent_atlas_host_is_all_ok(tmp_path):
     assert "driver 25.3.rc1" in checks["ascend-driver"].finding
     assert "CANN 8.3.RC1 (legacy layout" in checks["cann"].finding
     assert checks["compat-cann"].status == "ok" and checks["compat-vllm-ascend"].status == "ok"
-    assert checks["stack"].finding == "matches the verl-tested Ascend stack"
+    assert checks["stack"].finding == "matches the gspo-ascend Ascend stack"
+    assert checks["compat-mindspeed"].finding == "MindSpeed 2.2.0 (pip: 0.12.1) with megatron-core 0.12.1"
     assert exit_code(all_checks) == 0
+
+
+def test_verl_image_stack_only_differs_from_ours(tmp_path):
+    # verl's own A2 image (vllm-ascend 0.11.0rc1 from source, transformers 4.57.6) still passes every matrix rule
+    _, checks, all_checks = atlas(tmp_path, planned=VERL_STACK)
+    assert [c.name for c in all_checks if c.status != "ok"] == ["stack"]
+    assert "vllm-ascend 0.11.0rc1 (tested 0.11.0)" in checks["stack"].finding
 
 
 def test_cann_too_old_for_torch_npu(tmp_path):
@@ -116,7 +128,7 @@ def test_torch_npu_without_cann_on_a_cpu_box_warns(tmp_path):
 
 def test_cann_85_layout_needs_the_ops_package(tmp_path):
     env = {**SOURCED, "ASCEND_HOME_PATH": "/usr/local/Ascend/cann-8.5.0"}
-    planned = {**VERL_STACK, "torch_npu": "2.7.1.post2"}
+    planned = {**NPU_STACK, "torch_npu": "2.7.1.post2"}
     _, checks, _ = atlas(tmp_path / "a", cann="8.5.0", layout="cann-8.5", ops=None, env=env, planned=planned)
     assert "cann-8.5 layout" in checks["cann"].finding
     assert checks["cann-ops"].status == "fail" and "ascend_ops_install.info) is missing" in checks["cann-ops"].finding
@@ -141,7 +153,7 @@ def test_atb_missing_for_vllm_rollout(tmp_path):
     cfg = config.load_config(None, ["rollout.engine=vllm"], validate=False)
     root = make_sysroot(tmp_path / "root", atb=False)
     ctx = context(
-        tmp_path, sysroot=root, env=SOURCED, planned=VERL_STACK, config=cfg, runner=recorded("npu-smi-info-8x910B3.txt")
+        tmp_path, sysroot=root, env=SOURCED, planned=NPU_STACK, config=cfg, runner=recorded("npu-smi-info-8x910B3.txt")
     )
     checks = by_name(run_checks(ctx))
     assert checks["atb"].status == "fail" and "libatb.so" in checks["atb"].finding
@@ -166,7 +178,7 @@ def test_non_a2_chip_warns(tmp_path):
 
 def test_npu_smi_failing(tmp_path):
     runner = recorded(**{"npu-smi": CommandResult(255, "", "dcmi module initialize failed. ret is -8005")})
-    ctx = context(tmp_path, sysroot=make_sysroot(tmp_path / "root"), env=SOURCED, planned=VERL_STACK, runner=runner)
+    ctx = context(tmp_path, sysroot=make_sysroot(tmp_path / "root"), env=SOURCED, planned=NPU_STACK, runner=runner)
     checks = by_name(run_checks(ctx))
     assert checks["hardware"].status == "fail" and "dcmi module initialize failed" in checks["hardware"].finding
 
@@ -186,13 +198,13 @@ def test_gpu_hosts(tmp_path):
 
 
 def test_known_bad_transformers_on_npu(tmp_path):
-    _, checks, _ = atlas(tmp_path, planned={**VERL_STACK, "transformers": "4.55.3"})
+    _, checks, _ = atlas(tmp_path, planned={**NPU_STACK, "transformers": "4.55.3"})
     bad = checks["known-bad-transformers"]
-    assert bad.status == "fail" and "flash_attn" in bad.finding and "4.57.6" in bad.fix
+    assert bad.status == "fail" and "flash_attn" in bad.finding and "4.57.1" in bad.fix
 
 
 def test_mismatched_torch_and_mindspeed_core(tmp_path):
-    _, checks, _ = atlas(tmp_path, planned={**VERL_STACK, "torch": "2.8.0", "megatron_core": "0.16.1"})
+    _, checks, _ = atlas(tmp_path, planned={**NPU_STACK, "torch": "2.8.0", "megatron_core": "0.16.1"})
     assert (
         checks["compat-torch"].status == "fail"
         and "torch_npu is built for torch 2.7.1" in checks["compat-torch"].finding
@@ -202,12 +214,12 @@ def test_mismatched_torch_and_mindspeed_core(tmp_path):
 
 
 def test_vllm_ascend_without_matching_vllm(tmp_path):
-    _, checks, _ = atlas(tmp_path, planned={**VERL_STACK, "vllm": "0.10.0"})
+    _, checks, _ = atlas(tmp_path, planned={**NPU_STACK, "vllm": "0.10.0"})
     assert checks["compat-vllm-ascend"].status == "fail" and "needs vllm 0.11.0" in checks["compat-vllm-ascend"].finding
 
 
 def test_python_outside_torch_support(tmp_path):
-    _, checks, _ = atlas(tmp_path, planned={**VERL_STACK, "python": "3.14.0"})
+    _, checks, _ = atlas(tmp_path, planned={**NPU_STACK, "python": "3.14.0"})
     assert checks["python"].status == "fail" and "3.9–3.13" in checks["python"].finding
 
 
@@ -242,7 +254,7 @@ def test_doctor_on_this_machine_cpu_mode_json(cli):
 def test_doctor_planned_stack_under_a_sysroot(cli, tmp_path):
     root = make_sysroot(tmp_path / "root")
     versions = tmp_path / "versions.json"
-    versions.write_text(json.dumps(VERL_STACK))
+    versions.write_text(json.dumps(NPU_STACK))
     proc = cli("doctor", "--sysroot", str(root), "--versions", str(versions))
     # no npu-smi here and set_env.sh is not sourced in the test's shell: those fail, the versions match
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -285,7 +297,7 @@ def test_mc2_needs_cann_80rc2(tmp_path):
 
     cfg = config.load_config(None, ["actor.use_mc2=true"], validate=False)
     root = make_sysroot(tmp_path / "root", cann="8.0.RC1")
-    ctx = context(tmp_path, sysroot=root, env=SOURCED, planned=VERL_STACK, config=cfg)
+    ctx = context(tmp_path, sysroot=root, env=SOURCED, planned=NPU_STACK, config=cfg)
     checks = by_name(run_checks(ctx))
     assert checks["mc2-cann"].status == "fail" and "CANN >= 8.0.RC2, found 8.0.RC1" in checks["mc2-cann"].finding
 

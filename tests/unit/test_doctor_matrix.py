@@ -7,7 +7,7 @@ import pytest
 
 from gspo_ascend.doctor import matrix
 from gspo_ascend.doctor.ascend import cann_for_torch_npu
-from gspo_ascend.doctor.versions import compare, matches, normalize_name, release
+from gspo_ascend.doctor.versions import compare, key, matches, normalize_name, release
 from tests.conftest import REPO
 
 
@@ -16,10 +16,11 @@ def test_docs_version_matrix_matches_the_data():
     assert doc == matrix.render_markdown(), "regenerate: python -m gspo_ascend.doctor.matrix > docs/version-matrix.md"
 
 
-def test_matrix_holds_the_verl_tested_stack():
+def test_matrix_holds_the_npu_stack():
     (npu,) = [s for s in matrix.STACKS if s.platform == "npu"]
     pins = dict(npu.pins)
-    assert pins["cann"] == "==8.3.RC1" and pins["torch-npu"] == "==2.7.1" and pins["vllm-ascend"] == "==0.11.0rc1"
+    assert pins["cann"] == "==8.3.RC1" and pins["torch-npu"] == "==2.7.1" and pins["vllm-ascend"] == "==0.11.0"
+    assert pins["transformers"] == "==4.57.1" and pins["mindspeed"] == "==2.2.0"
     assert cann_for_torch_npu("2.7.1") == "8.3.RC1" and cann_for_torch_npu("2.8.0.post2") == "8.5.0"
     assert {b.package: b.versions for b in matrix.KNOWN_BAD}["transformers"] == ("4.53.0", "4.55.3")
 
@@ -41,6 +42,18 @@ def test_matrix_holds_the_verl_tested_stack():
 )
 def test_version_order(older, newer):
     assert compare(older, newer) == -1 and compare(newer, older) == 1
+
+
+def test_version_order_agrees_with_packaging_on_the_wheel_versions():
+    # every torch_npu / vllm-ascend version the matrix names is a PEP 440 version: our parser (which must also read
+    # CANN and driver strings packaging rejects) orders them as packaging does
+    from packaging.version import Version
+
+    names = {v for row in matrix.CANN_TORCH_NPU for v in row.torch_npu}
+    names |= {v for row in matrix.VLLM_ASCEND for v in (*row.vllm_ascend, row.torch_npu)}
+    names |= {"2.7.1.post6", "2.7.1.post11", "0.11.0rc2", "0.11.0rc3"}
+    assert sorted(names, key=Version) == sorted(names, key=key)
+    assert len(names) > 20
 
 
 def test_version_specs():

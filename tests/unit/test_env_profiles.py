@@ -221,6 +221,7 @@ def test_npu_set_passes_every_doctor_env_rule(tmp_path):
         "HCCL_INTRA_ROCE_ENABLE": {**env, "HCCL_INTRA_ROCE_ENABLE": "1"},
         "PYTORCH_ALLOC_CONF": {**env, "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"},
         "HCCL_SOCKET_IFNAME": {k: v for k, v in env.items() if k != "HCCL_SOCKET_IFNAME"},
+        "HCCL_ASYNC_ERROR_HANDLING": {**env, "TORCH_HCCL_ASYNC_ERROR_HANDLING": "1"},
     }
     for rule in ENV_RULES:
         assert rule.problem(bad[rule.name], multi), rule.name

@@ -31,7 +31,7 @@ from gspo_ascend.doctor.hardware import profile
 from gspo_ascend.doctor.modelspec import load_spec
 from gspo_ascend.doctor.planner import plan
 from gspo_ascend.doctor.preflight import failures, preflight
-from gspo_ascend.doctor.versions import matches, normalize_name
+from gspo_ascend.doctor.versions import matches, normalize_name, release
 from tests.conftest import REPO
 
 MODELS = REPO / "tests/fixtures/models"
@@ -243,7 +243,8 @@ def test_requirements_npu_is_the_matrix_stack():
     (stack,) = [s for s in matrix.STACKS if s.platform == "npu"]
     for package, spec in stack.pins:
         assert package in pins and matches(pins[package], spec), (package, pins.get(package), spec)
-    assert pins["mindspeed"] == "2.2.0" and pins["megatron-core"] == "0.12.1" and pins["transformers"] == "4.57.6"
+    assert pins["mindspeed"] == "2.2.0" and pins["megatron-core"] == "0.12.1" and pins["transformers"] == "4.57.1"
+    assert pins["vllm-ascend"] == "0.11.0"
     checks = (
         packages.check_torch_npu_pair(pins)
         + packages.check_vllm_ascend(pins)
@@ -258,8 +259,10 @@ def test_requirements_npu_is_the_matrix_stack():
 
 def test_requirements_gpu_share_vllm_and_megatron_and_satisfy_the_matrix():
     npu, gpu = requirement_pins(REPO / "requirements-npu.txt"), requirement_pins(REPO / "requirements-gpu.txt")
-    for shared in ("vllm", "megatron-core", "transformers", "mbridge", "ray", "math-verify", "einops"):
+    for shared in ("vllm", "megatron-core", "mbridge", "ray", "math-verify", "einops"):
         assert gpu[shared] == npu[shared], shared
+    # one transformers line; the NPU side sits at vllm-ascend 0.11.0's ceiling (<=4.57.1), the GPU side has no cap
+    assert release(gpu["transformers"], 2) == release(npu["transformers"], 2) == (4, 57)
     assert not {"torch-npu", "vllm-ascend", "mindspeed", "cann"} & set(gpu)
     checks = packages.check_known_bad(gpu, "cuda") + packages.check_requirements(gpu, "cuda")
     checks += packages.check_stack(gpu, "cuda")  # empty until the matrix names a CUDA stack; then it must match

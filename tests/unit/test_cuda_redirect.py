@@ -38,6 +38,24 @@ def test_cuda_device_arguments_allocate_on_cpu(cuda):
     assert t.type("torch.cuda.DoubleTensor").dtype == torch.float64
 
 
+def test_npu_device_strings_are_redirected_only_when_asked(cuda):
+    """MindSpeed allocates with device="npu" by name; the MindSpeed support turns that mapping on, and off again."""
+    from gspo_ascend.device.shim import cuda_redirect
+
+    with pytest.raises(RuntimeError):
+        torch.zeros(2, device="npu:0")
+    cuda_redirect.redirect_device_name("npu")
+    try:
+        assert torch.zeros(2, device="npu:0").device.type == "cpu"
+        assert torch.ones(3).to("npu").device.type == "cpu"
+    finally:
+        cuda_redirect.redirect_device_name("npu", on=False)
+    with pytest.raises(RuntimeError):
+        torch.zeros(2, device="npu")
+    cuda_redirect.redirect_device_name("cuda", on=False)  # "cuda" cannot be switched off
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+
+
 def test_device_api_and_streams(cuda):
     assert cuda.current_device() == 0 and cuda.is_initialized()
     cuda.synchronize()

@@ -1,6 +1,6 @@
 """CPU-emulated device shim: run NPU-targeted code (ours) and CUDA-targeted code (megatron-core's) on a CPU.
 
-Two independent halves, both installed explicitly and reversible:
+Independent parts, each installed explicitly and reversible:
 
 * NPU emulation (:mod:`.npu_module`, ops in :mod:`.npu_ops`): after :func:`install`, ``import torch_npu``
   works and ``torch.npu`` exists. Tensors stay on the CPU: our device layer maps "npu" to "cpu" rather than
@@ -10,6 +10,9 @@ Two independent halves, both installed explicitly and reversible:
 * CUDA-API redirection (:mod:`.cuda_redirect`): makes unmodified megatron-core believe it runs on CUDA while
   every tensor lives on the CPU and collectives go through gloo. Installed only in processes that ask for it
   (``install(cuda=True)``), never as an import side effect.
+* MindSpeed support (:mod:`.mindspeed_support`, ``install(mindspeed=True)``, implies the NPU half): the further
+  torch_npu and torchair pieces the real MindSpeed imports. Its ``torch_npu.contrib.transfer_to_npu``
+  installs the CUDA redirection when imported, as the real module redirects CUDA to the NPU.
 
 Unlike ``torch_npu.contrib.transfer_to_npu`` (which rewrites CUDA calls to NPU on real hardware), this shim
 targets CI and laptops: its purpose is to execute the production code paths, not to be fast.
@@ -17,12 +20,12 @@ targets CI and laptops: its purpose is to execute the production code paths, not
 
 from __future__ import annotations
 
-_state = {"npu": False, "cuda": False}
+_state = {"npu": False, "cuda": False, "mindspeed": False}
 
 
-def install(*, npu: bool = True, cuda: bool = False) -> None:
-    """Install the requested halves of the shim (idempotent)."""
-    if npu and not _state["npu"]:
+def install(*, npu: bool = True, cuda: bool = False, mindspeed: bool = False) -> None:
+    """Install the requested parts of the shim (idempotent); ``mindspeed=True`` needs and installs the NPU half."""
+    if (npu or mindspeed) and not _state["npu"]:
         from . import npu_module
 
         npu_module.install_npu()
@@ -32,10 +35,20 @@ def install(*, npu: bool = True, cuda: bool = False) -> None:
 
         cuda_redirect.install_cuda_redirect()
         _state["cuda"] = True
+    if mindspeed and not _state["mindspeed"]:
+        from . import mindspeed_support
+
+        mindspeed_support.install_mindspeed_support()
+        _state["mindspeed"] = True
 
 
 def uninstall() -> None:
     """Undo everything :func:`install` did, restoring the original torch attributes and sys.modules."""
+    if _state["mindspeed"]:
+        from . import mindspeed_support
+
+        mindspeed_support.uninstall_mindspeed_support()
+        _state["mindspeed"] = False
     if _state["cuda"]:
         from . import cuda_redirect
 
@@ -49,5 +62,5 @@ def uninstall() -> None:
 
 
 def is_installed(half: str = "npu") -> bool:
-    """Whether the ``"npu"`` or ``"cuda"`` half is currently installed in this process."""
+    """Whether the ``"npu"``, ``"cuda"`` or ``"mindspeed"`` part is currently installed in this process."""
     return _state[half]

@@ -66,11 +66,24 @@ def _patch(owner: Any, name: str, value: Any) -> None:
 # --- device mapping -------------------------------------------------------------------------------------
 
 
+# Device-type names given as strings that the factories map to "cpu". "cuda" always; the MindSpeed support adds
+# "npu" (MindSpeed allocates with device="npu" by name; see mindspeed_support.py).
+_REDIRECTED_NAMES = {"cuda"}
+
+
+def redirect_device_name(name: str, on: bool = True) -> None:
+    """Also map (``on``) or stop mapping device strings ``name`` / ``name:N`` to "cpu" ("cuda" always stays)."""
+    if on:
+        _REDIRECTED_NAMES.add(name)
+    elif name != "cuda":
+        _REDIRECTED_NAMES.discard(name)
+
+
 def _cpu_if_cuda(device: Any) -> Any:
     """Map a CUDA device designation (str, torch.device or bare index) to "cpu"; leave anything else."""
     if isinstance(device, int) and not isinstance(device, bool):
         return "cpu"  # torch.cuda.current_device() ints: megatron's usual device argument
-    if isinstance(device, str) and device.split(":")[0] == "cuda":
+    if isinstance(device, str) and device.split(":")[0] in _REDIRECTED_NAMES:
         return "cpu"
     if isinstance(device, torch.device) and device.type == "cuda":
         return "cpu"

@@ -1,0 +1,163 @@
+"""How the megatron engine configures the real MindSpeed (branch 2.2.0_core_r0.12.1) for a Config.
+
+How MindSpeed chooses what to patch (read from its source, ``mindspeed/megatron_adaptor.py``,
+``args_utils.py``, ``features_manager/``):
+
+* ``import mindspeed.megatron_adaptor`` runs ``patch_features()`` once per process: ``get_mindspeed_args()``
+  parses ``sys.argv`` (every feature registers its flags; unknown ``--flags`` are kept too) and caches the result,
+  then ``MindSpeedFeaturesManager`` calls ``pre_register_patches`` and ``register_patches`` of every feature whose
+  ``is_need_apply(args)`` holds and applies the registered patches. In a Ray actor ``sys.argv`` is Ray's.
+* ``is_need_apply``: features of optimisation level 0 always apply (megatron basics, PTNorm = fused RMSNorm,
+  fused RoPE / SwiGLU / softmax function replacements, the grouped-matmul helpers); level-2 features apply when
+  ``args.<feature_name>`` is truthy (``use_flash_attn``, ``moe_grouped_gemm``, ``use_ascend_mc2``), a few override
+  it (the CP feature always applies and registers its patches only when ``context_parallel_size > 1``). A
+  feature's ``register_patches`` then reads further megatron arguments (``sequence_parallel``,
+  ``tensor_model_parallel_size``, ``context_parallel_size``, ...) from the same namespace.
+* ``repatch(args_dict)`` removes every patch, sets the dict's keys on the argument namespace (megatron's global
+  args when ``megatron.training`` has them, else the cached MindSpeed args) and applies the features again. The
+  patched code reads that same namespace at run time (``get_full_args()``: e.g. fused RoPE reads
+  ``use_fused_rotary_pos_emb``), so the values stay in force after the call. MindSpeed's
+  ``TransformerConfig.__init__`` wrapper also merges that namespace into every TransformerConfig built afterwards:
+  keys that are TransformerConfig fields become defaults (explicit keyword arguments win), the others become
+  per-instance fields (``config.use_flash_attn``); no engine needs to pass them itself.
+* MC2: in this branch the adaptor's flag is ``use_ascend_mc2`` (MC2 linear layers, only with TP > 1 and sequence
+  parallelism). ``--moe-bmm-mc2`` exists only in the legacy ``mindspeed/arguments.py`` and is read by MoE
+  functions the features-manager adaptor never installs; there is no ``--moe-alltoall-mc2``.
+
+So the engine imports the adaptor with a neutral ``sys.argv`` (MindSpeed's defaults, never the launcher's
+arguments) and then calls ``repatch`` with :func:`mindspeed_args` (:func:`apply`). Every key is set explicitly,
+False included, so a second ``repatch`` for another config leaves nothing of the first behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from gspo_ascend.config import Config
+
+_last: dict[str, tuple[str, ...]] | None = None
+
+
+def mindspeed_args(cfg: Config, *, moe: bool) -> dict[str, Any]:
+    """The MindSpeed argument values our engine runs with for ``cfg`` (``moe``: the model has experts).
+
+    Fused kernels on (flash attention, fused RMSNorm / RoPE / SwiGLU; grouped GEMM for experts), MC2 when
+    ``actor.use_mc2``, MindSpeed's ring CP algorithm when ``actor.context_parallel_size > 1``, and the megatron
+    arguments MindSpeed's features read when they register their patches.
+    """
+    a = cfg.actor
+    cp = a.context_parallel_size
+    return {
+        "optimization_level": 2,  # MindSpeed's default: level-2 features (flash attention, CP, MC2, GMM) allowed
+        # fused kernels
+        "use_flash_attn": True,
+        "use_fused_rmsnorm": True,
+        "use_fused_rotary_pos_emb": True,
+        "use_fused_swiglu": True,
+        "moe_grouped_gemm": bool(moe),
+        "moe_permute_fusion": False,  # not asked for (torch_npu 2.7.1 has its routing-map permute ops; the shim not)
+        "use_ascend_mc2": bool(a.use_mc2),
+        # parallel layout (MC2 needs TP > 1 with SP; CP registers its attention for CP > 1)
+        "tensor_model_parallel_size": a.tensor_parallel_size,
+        "pipeline_model_parallel_size": a.pipeline_parallel_size,
+        "context_parallel_size": cp,
+        "expert_model_parallel_size": a.expert_parallel_size,
+        "expert_tensor_parallel_size": a.expert_tensor_parallel_size,
+        "sequence_parallel": bool(a.sequence_parallel and a.tensor_parallel_size > 1),
+        "context_parallel_algo": "megatron_cp_algo",  # the ring algorithm: Megatron's chunk layout (megatron_cp.py)
+        "attention_mask_type": "causal",
+        "reset_position_ids": False,  # read by MindSpeed's CP RoPE slicing (get_pos_emb_on_this_cp_rank)
+        # model facts MindSpeed's features read
+        "position_embedding_type": "rope",
+        "moe_token_dispatcher_type": "alltoall",  # mbridge's choice for every model (megatron needs it for
+        # variable_seq_lengths); MindSpeed copies known keys into every TransformerConfig (module docstring)
+    }
+
+
+@contextlib.contextmanager
+def _neutral_argv() -> Iterator[None]:
+    """MindSpeed parses sys.argv when its adaptor is imported: show it only the program name."""
+    saved = sys.argv
+    sys.argv = saved[:1] or ["gspo-ascend"]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+@contextlib.contextmanager
+def _recording(manager: type, features: list[Any]) -> Iterator[dict[str, list[str]]]:
+    """Record which feature registers which patch target while MindSpeed (re)applies its features.
+
+    Wraps, for the duration of the block, ``MindSpeedPatchesManager.register_patch`` (calls through unchanged)
+    and each feature instance's ``pre_register_patches`` / ``register_patches`` (to know who is registering).
+    """
+    records: dict[str, list[str]] = {}
+    current: list[str | None] = [None]
+    saved_register = vars(manager)["register_patch"]
+    register = saved_register.__func__ if isinstance(saved_register, staticmethod) else saved_register
+
+    def recording_register(orig_func_name: str, *args: Any, **kwargs: Any) -> Any:
+        if current[0] is not None:
+            records.setdefault(current[0], []).append(orig_func_name)
+        return register(orig_func_name, *args, **kwargs)
+
+    def attributed(feature: Any, hook: str) -> Any:
+        bound = getattr(feature, hook)
+
+        def call(patch_manager: Any, args: Any) -> Any:
+            current[0] = feature.feature_name
+            records.setdefault(feature.feature_name, [])
+            try:
+                return bound(patch_manager, args)
+            finally:
+                current[0] = None
+
+        return call
+
+    manager.register_patch = staticmethod(recording_register)
+    wrapped = []
+    try:
+        for feature in features:
+            for hook in ("pre_register_patches", "register_patches"):
+                setattr(feature, hook, attributed(feature, hook))  # an instance attribute shadows the method
+                wrapped.append((feature, hook))
+        yield records
+    finally:
+        manager.register_patch = saved_register
+        for feature, hook in wrapped:
+            vars(feature).pop(hook, None)
+
+
+def apply(args: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Import ``mindspeed.megatron_adaptor`` (neutral argv) and ``repatch`` it with ``args``.
+
+    Returns, like :func:`registered_features` afterwards, the features that registered patches, each with the
+    patch targets (``"megatron.core....DotProductAttention.forward"``) it registered. On the CPU shim, install it
+    first: ``shim.install(mindspeed=True)``; the adaptor must be imported before megatron.core.
+    """
+    global _last
+    with _neutral_argv():
+        import mindspeed.megatron_adaptor as adaptor
+    from mindspeed.features_manager import MindSpeedFeaturesManager
+    from mindspeed.patch_utils import MindSpeedPatchesManager
+
+    with _recording(MindSpeedPatchesManager, MindSpeedFeaturesManager.FEATURES_LIST) as records:
+        adaptor.repatch(dict(args))
+    _last = {name: tuple(dict.fromkeys(targets)) for name, targets in records.items() if targets}
+    return dict(_last)
+
+
+def registered_features() -> dict[str, tuple[str, ...]]:
+    """The features the last :func:`apply` registered (feature name -> patch targets); {} before any."""
+    return dict(_last or {})
+
+
+def runtime_args() -> Any:
+    """The argument namespace MindSpeed's patched code reads at run time (``get_full_args()``)."""
+    from mindspeed.args_utils import get_full_args
+
+    return get_full_args()

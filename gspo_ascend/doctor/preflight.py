@@ -286,14 +286,18 @@ def rule_seq_len(cfg, spec: ModelSpec | None) -> Iterable[Check]:
 
 
 def _mc2_problem(cfg, spec: ModelSpec | None) -> str | None:
+    """MindSpeed 2.2.0's MC2 is ``--use-ascend-mc2`` (``features_manager/tensor_parallel/mc2.py``): it replaces
+    Megatron's column / row-parallel linears, in dense and MoE models alike (the experts keep their own path), and
+    registers nothing, with only a warning, unless TP > 1 with sequence parallelism; we refuse that silent no-op.
+    (``--moe-bmm-mc2`` exists only in MindSpeed's legacy argument list and nothing the adaptor installs reads it.)
+    """
     a = cfg.actor
     problems = {
         "actor.engine must be megatron (MindSpeed --use-ascend-mc2)": a.engine != "megatron",
         f"actor.tensor_parallel_size must be one of {MC2_TP_A2} on Atlas A2, got {a.tensor_parallel_size}": (
             a.tensor_parallel_size not in MC2_TP_A2
         ),
-        "actor.sequence_parallel must be true": not a.sequence_parallel,
-        "the model must be dense (MC2 for MoE is --moe-alltoall-mc2, not exposed)": bool(spec and spec.is_moe),
+        "actor.sequence_parallel must be true (MindSpeed skips MC2 without it)": not a.sequence_parallel,
         f"MC2 is an Ascend feature; trainer.device={cfg.trainer.device}": cfg.trainer.device == "cuda",
     }
     failed = [text for text, bad in problems.items() if bad]

@@ -116,16 +116,12 @@ class _AbsentModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def _pinned_runtime() -> None:
     """(child) The pinned vLLM 0.11 / vllm-ascend 0.11 sources over this venv's torch, on the NPU shim.
 
-    Stand-ins besides :class:`_AbsentModules`: ``torch_npu.npu.streams`` (``vllm_ascend/utils.py`` does
-    ``from torch_npu.npu.streams import Event``; the shim has ``torch_npu.npu.Event`` but not that module path).
+    The shim provides what they import from torch_npu (``torch_npu.npu.streams.Event`` included); the only
+    stand-ins are :class:`_AbsentModules`.
     """
     from gspo_ascend.device import shim
 
     shim.install()
-    torch_npu = sys.modules["torch_npu"]
-    streams = types.ModuleType("torch_npu.npu.streams")
-    streams.Event = torch_npu.npu.Event
-    sys.modules.setdefault("torch_npu.npu.streams", streams)
     sys.meta_path.insert(0, _AbsentModules(("torchair", "gguf")))
     roots = os.environ["GSPO_UPSTREAM_PATH"].split(os.pathsep)
     sys.path[:0] = roots
@@ -146,7 +142,8 @@ def _sampling_metadata(temperature: float, top_k: int | None, rows: int):
         all_greedy=False,
         all_random=True,
         top_p=None,
-        top_k=None if top_k is None else torch.full((rows,), top_k, dtype=torch.long),
+        # int32, as vllm-ascend's NPUInputBatch holds it (worker/npu_input_batch.py) and npu_top_k_top_p requires
+        top_k=None if top_k is None else torch.full((rows,), top_k, dtype=torch.int32),
         generators={},
         max_num_logprobs=0,  # the engine asks for logprobs=0: the sampled token only
         no_penalties=True,
@@ -196,9 +193,9 @@ def _child_sampler() -> None:
     torch.testing.assert_close(after, expected, atol=1e-6, rtol=0)
     assert honour_logprobs_mode(runner, "processed_logprobs").status == "already applied"
 
-    # top-k through vllm-ascend's pure-torch top-k/top-p (its branch for 310P SoCs; the 910B branch calls
-    # torch_npu.npu_top_k_top_p, which the shim does not emulate): log_softmax over the k kept tempered logits
-    ascend_utils._IS_310P = True  # what is_310p() caches from _build_info.__soc_version__ on a 310P build
+    # top-k through vllm-ascend's 910B branch, torch_npu.npu_top_k_top_p (the shim's, held to torch-npu 2.7.1's
+    # schema and op docs): log_softmax over the k kept tempered logits
+    assert not ascend_utils.is_310p()  # the pinned wheel is built for Ascend910B (its _build_info)
     k = 5
     tokens, truncated = _sampled_logprobs(runner, logits, _sampling_metadata(temperature, k, rows=6))
     scaled = logits / temperature

@@ -476,3 +476,35 @@ def test_init_and_finalize_routing_round_trip_against_naive_loop(tnpu):
     row_order = expanded_row_idx.view(k, n).t().reshape(-1)  # drop_pad_mode 2: [i*K + k] instead of [i + k*N]
     out_rows = tnpu.npu_moe_finalize_routing(expert_out, skip, None, bias, scales, row_order, expert_idx, 2)
     torch.testing.assert_close(out_rows, ref)
+
+
+# --------------------------------------------------------------------------------------------------------
+# npu_top_k_top_p (vllm-ascend's sampler on 910B)
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_top_k_top_p_hand_example(tnpu):
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    inf = float("-inf")
+    k = torch.tensor([2, 4], dtype=torch.int32)
+    # row 0 keeps its 2 largest (3, 2); row 1 keeps all 4
+    assert tnpu.npu_top_k_top_p(logits, None, k).tolist() == [[inf, 3.0, 2.0, inf], [0.0, 0.0, 5.0, 1.0]]
+    # top-p 0.9 on row 1: softmax of (0, 0, 1, 5) ascending -> cumulative 0.0065, 0.0131, 0.0308, 1.0; the first
+    # three are <= 0.1 and go, only 5.0 stays; row 0 with p = 1.0 drops nothing (cumulative <= 0 never holds)
+    p = torch.tensor([1.0, 0.9])
+    assert tnpu.npu_top_k_top_p(logits, p, None).tolist() == [[1.0, 3.0, 2.0, 0.0], [inf, inf, 5.0, inf]]
+
+
+def test_top_k_top_p_equals_vllms_reference(tnpu):
+    """The formula vLLM's pure-torch apply_top_k_top_p implements (sort ascending, mask, scatter back)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 50, generator=gen)
+    k = torch.randint(1, 50, (6,), generator=gen, dtype=torch.int32)
+    p = torch.rand(6, generator=gen) * 0.5 + 0.4
+    srt, idx = logits.sort(dim=-1, descending=False)
+    srt = srt.masked_fill(srt < srt.gather(1, (50 - k.long()).unsqueeze(1)), float("-inf"))
+    cum = srt.softmax(-1).cumsum(-1)
+    mask = cum <= 1 - p.unsqueeze(1)
+    mask[:, -1] = False
+    expected = srt.masked_fill(mask, float("-inf")).scatter(-1, idx, srt.masked_fill(mask, float("-inf")))
+    assert torch.equal(tnpu.npu_top_k_top_p(logits, p, k), expected)

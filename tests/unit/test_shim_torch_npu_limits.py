@@ -128,3 +128,15 @@ def test_unpermute_takes_bf16_tokens_and_probs(tnpu):
 def test_rms_norm_gamma_must_share_the_input_dtype(tnpu):
     with pytest.raises(ValueError, match="gamma dtype"):
         tnpu.npu_rms_norm(torch.randn(2, 4, dtype=BF16), torch.ones(4))
+
+
+def test_top_k_top_p_limits(tnpu):
+    logits = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="cannot both be None"):
+        tnpu.npu_top_k_top_p(logits)
+    with pytest.raises(ValueError, match="k must be int32"):
+        tnpu.npu_top_k_top_p(logits, k=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="k must be in"):
+        tnpu.npu_top_k_top_p(logits, k=torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="p must be"):
+        tnpu.npu_top_k_top_p(logits, p=torch.tensor([0.5, 0.5], dtype=BF16))

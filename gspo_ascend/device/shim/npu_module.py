@@ -50,7 +50,7 @@ COUNT_ENV = "GSPO_SHIM_NPU_COUNT"
 VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 
 _MISSING = object()
-_SWAPPED_MODULES = ("torch_npu", "torch_npu.npu", "torch.npu")
+_SWAPPED_MODULES = ("torch_npu", "torch_npu.npu", "torch.npu", "torch_npu.npu.streams")
 _saved: dict[str, Any] | None = None  # what install_npu replaced; None when not installed
 _state = threading.local()  # per-thread current device and stream, like CUDA's
 _amp = {"enabled": False, "dtype": torch.float16}  # torch_npu's autocast default dtype is float16
@@ -465,6 +465,10 @@ def build_device_module() -> types.ModuleType:
         setattr(module, name, namespace[name])
     module.__all__ = list(_DEVICE_API)
     module._gspo_shim = True
+    module.__path__ = []  # a package: torch_npu.npu.streams resolves through sys.modules
+    # torch_npu.npu.streams: where torch_npu 2.7.1 defines Stream / Event (vllm-ascend imports Event from it)
+    module.streams = _new_module("torch_npu.npu.streams", "CPU-shim stand-in for torch_npu.npu.streams.")
+    module.streams.Stream, module.streams.Event = Stream, Event
     return module
 
 
@@ -492,6 +496,7 @@ def install_npu() -> None:
     sys.modules["torch_npu"] = torch_npu
     sys.modules["torch_npu.npu"] = device_module
     sys.modules["torch.npu"] = device_module
+    sys.modules["torch_npu.npu.streams"] = device_module.streams
     torch.npu = device_module
     _saved = saved
     register_hccl_backend()

@@ -45,6 +45,7 @@ __all__ = [
     "npu_rms_norm",
     "npu_rotary_mul",
     "npu_swiglu",
+    "npu_top_k_top_p",
 ]
 
 _INT32_MAX = 2147483647
@@ -221,6 +222,43 @@ def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:  # input: to
         raise ValueError(f"npu_swiglu: size {x.shape[dim]} along dim {dim} must be even")
     a, b = torch.chunk(x.to(_compute_dtype(x.dtype)), 2, dim=dim)
     return (F.silu(a) * b).to(x.dtype)
+
+
+def npu_top_k_top_p(logits: torch.Tensor, p: torch.Tensor | None = None, k: torch.Tensor | None = None):
+    """Top-k then top-p filtering of ``logits [B, V]``: filtered entries become ``-inf`` (torch_npu's formula).
+
+    Per row, ascending stable sort; entries below the k-th largest value are masked; softmax over what is left;
+    entries whose ascending cumulative probability is <= 1 - p are masked, the largest always kept; the result is
+    put back in the original order (the docs write that step as an index by ``sortedIndices``; the inverse
+    permutation is meant, as in vLLM's ``apply_top_k_top_p`` that this op replaces). vllm-ascend's sampler calls
+    it on 910B for rollout top-k / top-p.
+
+    torch_npu 2.7.1's limits (op docs), enforced: logits 2-D fp16 / bf16 / fp32; p in logits' dtype, 1-D of
+    length B; k int32, 1-D of length B, values in [1, 1024] and <= V; p and k not both None.
+    """
+    op = "npu_top_k_top_p"
+    _check_dtype(op, "logits", logits)
+    _check_dims(op, "logits", logits, 2, 2)
+    if p is None and k is None:
+        raise ValueError(f"{op}: p and k cannot both be None (torch_npu 2.7.1)")
+    rows, vocab = logits.shape
+    for name, t, dtypes in (("p", p, (logits.dtype,)), ("k", k, (torch.int32,))):
+        if t is not None:
+            _check_dtype(op, name, t, dtypes)
+            if t.shape != (rows,):
+                raise ValueError(f"{op}: {name} must be 1-D of length {rows}, got {tuple(t.shape)}")
+    if k is not None and not bool(((k >= 1) & (k <= min(1024, vocab))).all()):
+        raise ValueError(f"{op}: k must be in [1, min(1024, {vocab})], got {k.tolist()}")
+    values, order = torch.sort(logits, dim=-1, descending=False, stable=True)  # [B, V] ascending
+    if k is not None:
+        threshold = values.gather(-1, (vocab - k.long()).unsqueeze(-1))  # the k-th largest
+        values = values.masked_fill(values < threshold, float("-inf"))
+    if p is not None:
+        cumulative = torch.softmax(values.to(_compute_dtype(values.dtype)), dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - p.to(cumulative.dtype)).unsqueeze(-1)
+        drop[:, -1] = False  # at least one entry per row survives
+        values = values.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, values)
 
 
 # ---------------------------------------------------------------------------------------------------------

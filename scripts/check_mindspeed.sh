@@ -54,6 +54,7 @@ PINS=(
   "$(pin einops requirements-npu.txt)" "$(pin megatron-core requirements-gpu.txt)"
   "$(pin transformers requirements-gpu.txt)" "$(pin safetensors requirements-npu.txt)"
   "$(pin pyyaml requirements-npu.txt)" "$(pin omegaconf requirements-npu.txt)" "$(pin rich requirements-npu.txt)"
+  "$(pin math-verify requirements-npu.txt)"  # the tiny models (gspo_ascend.tiny) score their warm start with it
   psutil  # MindSpeed's requirements.txt; megatron-core's filesystem_async imports it, MindSpeed patches that module
   "setuptools>=68" wheel pytest
 )

@@ -31,20 +31,54 @@ rule above (verl steps on a finite norm only); the driver needs no model-paralle
 gathers); weights are exported under the exact HF ``state_dict`` names (fused experts in transformers 5), not
 mbridge's checkpoint names; the CPU path runs megatron's local layer spec through our CUDA->CPU shim.
 
-Device paths. CPU (and the emulated NPU): the shim's CUDA redirection is installed before megatron.core is
-imported; the local layer spec; no sequence parallelism (impossible with the local spec on CPU), so no MoE with
-TP > 1. CUDA: the Transformer Engine spec when TE is installed, the local spec otherwise. NPU:
-``mindspeed.megatron_adaptor`` is imported first and MindSpeed's fused options are passed where the
-TransformerConfig accepts them (:func:`_mindspeed_options`); that path cannot be run here and is untested.
+Device paths. CPU (and the emulated NPU without MindSpeed, CI's venv): the shim's CUDA redirection is installed
+before megatron.core is imported; the local layer spec; no sequence parallelism (impossible with the local spec on
+CPU: gloo has no reduce-scatter), so no MoE with TP > 1. CUDA: the Transformer Engine spec when TE is installed,
+the local spec otherwise.
+
+NPU, and the emulated NPU where the real MindSpeed is installed (:func:`.mindspeed_setup.enabled`; tests/mindspeed):
+MindSpeed is configured from the config, in this process, before anything imports megatron:
+``mindspeed_setup.apply(mindspeed_args(cfg, moe=...))`` imports ``mindspeed.megatron_adaptor`` with a neutral
+``sys.argv`` (a Ray actor's argv is Ray's) and ``repatch``-es it with our arguments; MindSpeed's TransformerConfig
+wrapper then puts them into every config mbridge builds (flash attention, fused RMSNorm / RoPE / SwiGLU, grouped
+GEMM for experts, MC2, the CP algorithm). Layer spec: megatron's local spec, on which every one of those features
+lands: flash attention patches ``DotProductAttention.forward`` (MindSpeed builds the compressed causal mask,
+sparse_mode 2, so the engine's ``attention_mask=None`` works), PTNorm replaces the local norms, the RoPE and
+SwiGLU functions are replaced (the dense MLP reaches fused SwiGLU through ``bias_activation_fusion=True``),
+``moe_grouped_gemm=True`` builds ``GroupedMLP``, which MindSpeed replaces by ``MindSpeedGmmExperts`` (its own
+grouped-matmul op), CP replaces the core attention class (``MindSpeedCPDotProductAttention``, ring algorithm on
+Megatron's chunk layout, which :mod:`.megatron_cp` produces), MC2 replaces the column / row parallel linears. The
+TE spec (verl's choice on NPU) would get MindSpeed's TE stand-ins instead; its grouped experts
+(``MindSpeedTEGroupedLinear``) take the weight gradient with ``npu_grouped_matmul(group_type=2)``, which torch_npu
+2.7.1 refuses ("group_type only support -1 and 0"), and mbridge's TE names are already served by
+:class:`.megatron_bridge.TENamedView` (grouped experts included). MindSpeed turns megatron's Adam into its AdamW
+(``torch._fused_adamw_``): same update (tested against the fsdp engine).
+
+MindSpeed's process-wide patches (its adaptor, for every module of the process; tests/mindspeed lists them):
+``torch.compile`` and ``torch.jit.script`` become pass-throughs, ``Tensor.view`` first makes a non-contiguous
+tensor contiguous (a view of a copy: writes through it are lost), ``Tensor.type`` / ``Parameter.type`` report
+"cuda" for "npu", ``all_reduce`` of float64 goes through float32, ``_all_gather_base`` / ``_reduce_scatter_base``
+become their tensor versions, ``importlib.metadata.version("transformer-engine")`` answers 2.2.0,
+``torch.cuda.get_device_capability`` is replaced, and stand-in modules (apex, amp_C, flash_attn,
+transformer_engine, ...) appear in ``sys.modules``. MindSpeed's float64 all-reduce bypass reduces a float32 *copy*
+and drops it, so the caller's tensor keeps its local value: every float64 all-reduce of the process (ours: token
+counts, micro-batch counts, the skip flag, metrics) would silently do nothing; :func:`.mindspeed_setup.apply`
+wraps it to copy the result back. The vLLM rollout: with ``rollout.tensor_parallel_size`` 1, vLLM 0.11 runs its
+engine core and worker in processes it *spawns* (in a Ray actor it forces spawn: ``vllm/utils._maybe_force_spawn``),
+which never import MindSpeed, so none of this reaches them. With rollout TP > 1 (``external_launcher``) vLLM runs
+in this process, under these patches: with ``enforce_eager`` (our NPU default) graph capture is off anyway, so the
+``torch.compile`` pass-through changes nothing, but ``rollout.enforce_eager: false`` would silently run eager; the
+``Tensor.view`` change alters results only for code that writes through a view of a non-contiguous tensor, which we
+have not audited in vllm-ascend 0.11 (not run: no NPU here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import logging
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +92,7 @@ from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import megatron_bridge as mb
 from gspo_ascend.engines import megatron_cp as cp_support
+from gspo_ascend.engines import mindspeed_setup
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.logprobs import response_lengths
@@ -89,27 +124,51 @@ CHECKPOINT_FORMAT = 1
 # ----------------------------------------------------------------------------------------------- set-up helpers
 
 
-def _import_megatron(backend: Backend) -> None:
-    """What must happen before ``import megatron.core`` on this device."""
-    if backend.torch_device_type == "cpu":  # CPU and the emulated NPU: megatron's CUDA calls -> CPU
+def _import_megatron(backend: Backend, mindspeed_args: dict[str, Any] | None = None) -> None:
+    """What must happen before ``import megatron.core`` on this device. ``mindspeed_args``
+    (:func:`.mindspeed_setup.mindspeed_args`): run under MindSpeed (:func:`.mindspeed_setup.enabled`)."""
+    if mindspeed_setup.enabled(backend):
+        _configure_mindspeed(backend, mindspeed_args or {})
+    elif backend.torch_device_type == "cpu":  # CPU and the emulated NPU without MindSpeed: CUDA calls -> CPU
         from gspo_ascend.device import shim
 
         mb.prime_device_context()
         shim.install(npu=False, cuda=True)
-    elif backend.name == "npu":
-        try:  # patches megatron for Ascend; must precede every megatron import
-            importlib.import_module("mindspeed.megatron_adaptor")
-        except ImportError as exc:
-            raise UserError(
-                f"actor.engine=megatron on NPU needs MindSpeed ({exc}); install it from source (the PyPI package "
-                "is an empty placeholder), see docs/install-npu.md"
-            ) from None
     try:
         importlib.import_module("megatron.core")
         importlib.import_module("mbridge")
     except ImportError as exc:
         raise UserError(f"actor.engine=megatron needs megatron-core and mbridge ({exc}); see docs/engines.md") from None
     patch_megatron_core()  # what the cluster pin (megatron-core 0.12) needs; a no-op on 0.16
+
+
+def _configure_mindspeed(backend: Backend, args: dict[str, Any]) -> None:
+    """Import MindSpeed's adaptor (neutral argv, never the launcher's) and repatch it with ``args``, before this
+    process builds anything with megatron (MindSpeed patches megatron's classes and functions in place, and its
+    CP feature wraps ``initialize_model_parallel``). On the emulated NPU the shim's MindSpeed stand-ins go in
+    first (``shim.install(mindspeed=True)``; importing its ``transfer_to_npu`` installs the CUDA redirection)."""
+    if backend.emulated:
+        from gspo_ascend.device import shim
+
+        mb.prime_device_context()
+        shim.install(mindspeed=True)
+    if not mindspeed_setup.installed():
+        raise UserError(
+            "actor.engine=megatron on NPU needs MindSpeed (no mindspeed.megatron_adaptor); install it from source "
+            "(the PyPI package is an empty placeholder), see docs/install-npu.md"
+        )
+    if "megatron.core" in sys.modules and "mindspeed.megatron_adaptor" not in sys.modules:
+        raise UserError(
+            "megatron.core was imported in this process before MindSpeed's adaptor, so MindSpeed cannot patch it; "
+            "build the megatron engine before anything imports megatron (a fresh worker process)"
+        )
+    try:
+        mindspeed_setup.apply(args)
+    except ImportError as exc:
+        raise UserError(
+            f"actor.engine=megatron on NPU: MindSpeed's adaptor failed to import ({exc}); check the MindSpeed / "
+            "torch_npu / CANN versions against docs/install-npu.md (`gspo-ascend doctor`)"
+        ) from None
 
 
 def _check_config(cfg: Config, backend: Backend) -> None:
@@ -125,8 +184,12 @@ def _check_config(cfg: Config, backend: Backend) -> None:
             "config key 'model.gradient_checkpointing' is the fsdp engine's; with actor.engine=megatron set "
             "'actor.recompute: full' (or 'selective') instead"
         )
-    if a.use_mc2 and backend.name != "npu":
-        raise ConfigError("config key 'actor.use_mc2' is Ascend-only (MindSpeed MC2); set it to false on this device")
+    if a.use_mc2 and not mindspeed_setup.enabled(backend):
+        raise ConfigError(
+            "config key 'actor.use_mc2' is Ascend-only (MindSpeed MC2) and needs MindSpeed; set it to false on this "
+            "device"
+        )
+    mindspeed_setup.check_mc2(cfg)
     if backend.torch_device_type == "cpu" and a.sequence_parallel:
         raise ConfigError(
             "config key 'actor.sequence_parallel' cannot be true on CPU: megatron's local layer spec cannot run "
@@ -166,28 +229,14 @@ def _check_model(cfg: Config, hf: Any, world: int, on_cpu: bool) -> None:
             )
 
 
-def _mindspeed_options(cfg: Config, moe: bool, config_cls: type) -> dict[str, Any]:
-    """MindSpeed's fused kernels on Ascend (flash attention, fused RMSNorm / RoPE / SwiGLU, grouped GEMM for
-    experts, MC2 when asked for). MindSpeed adds these to megatron's TransformerConfig when it patches it; an
-    option this MindSpeed does not know is dropped with a log line rather than failing. Untested here: there is
-    no NPU in CI (the CPU path takes the local spec without them)."""
-    wanted = {
-        "use_flash_attn": True,
-        "use_fused_rmsnorm": True,
-        "use_fused_swiglu": True,
-        "use_fused_rotary_pos_emb": True,
-        "moe_grouped_gemm": moe,
-        "use_ascend_mc2": cfg.actor.use_mc2,  # the doctor's preflight checks MC2's TP / SP / dense rules
-    }
-    known = {f.name for f in dataclasses.fields(config_cls)}
-    dropped = sorted(k for k in wanted if k not in known)
-    if dropped:
-        log.warning("MindSpeed options not accepted by this TransformerConfig, skipped: %s", ", ".join(dropped))
-    return {k: v for k, v in wanted.items() if k in known}
-
-
 def _transformer_overrides(cfg: Config, backend: Backend, moe: bool, use_te: bool) -> dict[str, Any]:
-    """Our TransformerConfig settings on top of mbridge's (which assume TE: SP forced on with TP > 1)."""
+    """Our TransformerConfig settings on top of mbridge's (which assume TE: SP forced on with TP > 1).
+
+    Under MindSpeed its own keys (``use_flash_attn``, ``use_fused_rmsnorm``, ...) are not passed here: its
+    TransformerConfig wrapper merges the namespace :func:`.mindspeed_setup.apply` configured into every config.
+    Two megatron fields are MindSpeed's switches on the local spec: ``moe_grouped_gemm`` (the local spec's
+    ``GroupedMLP``, which MindSpeed replaces by its ``MindSpeedGmmExperts``) and ``bias_activation_fusion`` (the
+    dense MLP reaches MindSpeed's fused SwiGLU only through megatron's ``bias_swiglu_impl``)."""
     a = cfg.actor
     overrides: dict[str, Any] = {
         "sequence_parallel": a.sequence_parallel and a.tensor_parallel_size > 1,
@@ -211,10 +260,8 @@ def _transformer_overrides(cfg: Config, backend: Backend, moe: bool, use_te: boo
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif a.recompute == "selective":
         overrides.update(recompute_granularity="selective")
-    if backend.name == "npu" and not backend.emulated:
-        from megatron.core.transformer import TransformerConfig
-
-        overrides.update(_mindspeed_options(cfg, moe, TransformerConfig))
+    if mindspeed_setup.enabled(backend):
+        overrides.update(moe_grouped_gemm=moe, bias_activation_fusion=True)
     return overrides
 
 
@@ -309,12 +356,15 @@ class MegatronEngine:
         self.owns_process_group = ensure_process_group(backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = select_device(backend, self.rank)
-        _import_megatron(backend)
         self.model_path = model_path
         self.hf_config = mb.load_hf_config(model_path)
         on_cpu = backend.torch_device_type == "cpu"
         _check_model(cfg, self.hf_config, self.world_size, on_cpu)
         self.moe = bool(getattr(self.hf_config, "num_experts", None))
+        self.mindspeed = mindspeed_setup.enabled(backend)
+        # MindSpeed's arguments come from the config, in this process (a Ray actor's sys.argv is Ray's)
+        ms_args = mindspeed_setup.mindspeed_args(cfg, moe=self.moe) if self.mindspeed else None
+        _import_megatron(backend, ms_args)
         self.compute_dtype = _DTYPES[cfg.model.dtype]
         self.owns_parallel_state = self._init_parallel_state()
         self._init_groups()
@@ -405,7 +455,10 @@ class MegatronEngine:
             ddp_config=ddp,
             data_parallel_random_init=False,
         )
-        self.bridge.load_weights([self._view(m) for m in models], self.model_path)
+        views = [self._view(m) for m in models]
+        self.bridge.load_weights(views, self.model_path)
+        for view in views:
+            view.flush()  # grouped experts (MindSpeed's grouped GEMM) are loaded through staging copies
         if self.cp_attention:
             for model in models:
                 cp_support.localise_rope(model, self.cp, self.cp_rank)

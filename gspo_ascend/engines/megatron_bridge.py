@@ -139,30 +139,77 @@ def te_name(name: str, moe: bool) -> str:
     return name
 
 
+_GROUPED_EXPERTS = re.compile(r"^(?P<experts>.*\.mlp\.experts)\.weight(?P<which>[12])$")
+
+
 class TENamedView:
     """A GPTModel as mbridge expects to see it: the same parameters (and tensors) under TE-spec names.
 
     mbridge reads ``decoder`` (layer numbers), ``named_parameters()`` and ``state_dict()`` (whose tensors share
-    storage with the parameters, so its in-place ``copy_`` loads into the model); that is all it touches."""
+    storage with the parameters, so its in-place ``copy_`` loads into the model); that is all it touches.
+
+    Grouped experts (the local spec's ``GroupedMLP`` with ``moe_grouped_gemm``, which MindSpeed replaces by its
+    ``MindSpeedGmmExperts``) hold all local experts in two tensors: ``weight1`` [H, E * X1] and ``weight2``
+    [E * X2, H], read by the grouped matmul as ``weight1.view(E, H, X1)`` / ``weight2.view(E, X2, H)``. The view
+    shows them as TE's per-expert ``linear_fc1.weight<e>`` [X1, H] = ``weight1.view(E, H, X1)[e].T`` and
+    ``linear_fc2.weight<e>`` [H, X2] = ``weight2.view(E, X2, H)[e].T``. Those are transposed (non-contiguous)
+    views, which gloo cannot scatter into, so ``state_dict`` hands mbridge contiguous staging copies and
+    :meth:`flush` writes them back after a load; ``named_parameters`` (export) yields contiguous copies carrying
+    the per-expert TE layout's tensor-parallel attributes (fc1 column-, fc2 row-parallel)."""
 
     def __init__(self, module: torch.nn.Module, moe: bool, rename: bool) -> None:
         self.module, self.moe, self.rename = module, moe, rename
         self.decoder = getattr(module, "decoder", None)
         self._state: dict[str, Any] | None = None
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging copy, view into the grouped weight)
 
     def _name(self, name: str) -> str:
         return te_name(name, self.moe) if self.rename else name
 
+    def _grouped(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """[(TE name of expert e, transposed view of its slice of ``tensor``)] for a grouped expert weight."""
+        match = _GROUPED_EXPERTS.match(name) if self.rename else None
+        if match is None:
+            return None
+        experts = self.module.get_submodule(match["experts"])
+        count, hidden = experts.num_local_experts, experts.config.hidden_size
+        fc = "linear_fc1" if match["which"] == "1" else "linear_fc2"
+        blocks = tensor.view(count, hidden, -1) if fc == "linear_fc1" else tensor.view(count, -1, hidden)
+        return [(f"{match['experts']}.{fc}.weight{e}", blocks[e].t()) for e in range(count)]
+
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for name, param in self.module.named_parameters(*args, **kwargs):
-            yield self._name(name), param
+            grouped = self._grouped(name, param.detach())
+            if grouped is None:
+                yield self._name(name), param
+                continue
+            for te, view in grouped:
+                copy = view.contiguous()
+                copy.tensor_model_parallel = getattr(param, "tensor_model_parallel", False)
+                copy.partition_dim = 0 if ".linear_fc1." in te else 1
+                yield te, copy
 
     def state_dict(self) -> dict[str, Any]:
         # cached: mbridge looks up one tensor per call, and a fresh state_dict per lookup is quadratic in the
         # parameter count; a view lives for one load or export, while the parameters' storage cannot change
         if self._state is None:
-            self._state = {self._name(k): v for k, v in self.module.state_dict().items()}
+            self._state = {}
+            for name, tensor in self.module.state_dict().items():
+                grouped = self._grouped(name, tensor)
+                if grouped is None:
+                    self._state[self._name(name)] = tensor
+                    continue
+                for te, view in grouped:
+                    staging = view.contiguous()
+                    self._staged.append((staging, view))
+                    self._state[te] = staging
         return self._state
+
+    def flush(self) -> None:
+        """Write what mbridge loaded into the staging copies back into the grouped expert weights."""
+        with torch.no_grad():
+            for staging, view in self._staged:
+                view.copy_(staging)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

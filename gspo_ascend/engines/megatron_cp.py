@@ -14,8 +14,10 @@ identity backward routes it only into the rank's own tokens' graph. Megatron's D
 data-parallel-with-CP group, so the total is ``sum_r dL/dlp . dlp_r/dtheta = dL/dtheta``: each token counted
 once, no 1/cp rescaling (a plain differentiable all-reduce would give ``cp * dL/dtheta``).
 
-Attention. On CUDA with Transformer Engine, TE does CP itself (``cp_comm_type: p2p``); on an NPU, MindSpeed's
-``megatron_cp_algo``. Elsewhere (the local layer spec: CPU, CUDA without TE) megatron's local
+Attention. On CUDA with Transformer Engine, TE does CP itself (``cp_comm_type: p2p``); under MindSpeed (an NPU,
+or the emulated one where MindSpeed is installed) MindSpeed's ``megatron_cp_algo`` (its
+``MindSpeedCPDotProductAttention`` replaces megatron's core attention class, and its RoPE slicing replaces
+megatron's ``get_pos_emb_on_this_cp_rank``). Elsewhere (the local layer spec: CPU, CUDA without TE) megatron's local
 ``DotProductAttention`` refuses CP, so :class:`AllGatherKVAttention` takes its place: K and V are all-gathered
 over the CP group (reduce-scattered in backward), put back in sequence order, and the local queries attend
 causally by their global positions. It is the reference the CPU tests check against Hugging Face.
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
+from gspo_ascend.engines import mindspeed_setup
 from gspo_ascend.errors import ConfigError
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -224,25 +227,18 @@ def check_world(cfg: Config, world: int) -> None:
 
 def local_attention_needed(cp: int, backend: Backend, use_te: bool) -> bool:
     """Our all-gather attention replaces the local spec's core attention unless TE or MindSpeed does CP."""
-    mindspeed = backend.name == "npu" and not backend.emulated
-    return cp > 1 and not use_te and not mindspeed
+    return cp > 1 and not use_te and not mindspeed_setup.enabled(backend)
 
 
-def transformer_overrides(
-    cfg: Config, backend: Backend, use_te: bool, config_cls: type | None = None
-) -> dict[str, Any]:
-    """TransformerConfig settings for CP: TE's p2p ring on CUDA; MindSpeed's Megatron-style ring on an NPU
-    (kept only where the patched config knows the field, as engines/megatron.py does for MindSpeed options)."""
+def transformer_overrides(cfg: Config, backend: Backend, use_te: bool) -> dict[str, Any]:
+    """TransformerConfig settings for CP: TE's p2p ring on CUDA. Under MindSpeed nothing: its ring algorithm
+    (``context_parallel_algo: megatron_cp_algo``, ``attention_mask_type: causal``) is chosen through the arguments
+    :func:`.mindspeed_setup.mindspeed_args` gives ``repatch``, which MindSpeed's TransformerConfig wrapper merges
+    into every config (they are per-instance fields, so a filter on the class's fields would drop them)."""
     if cfg.actor.context_parallel_size == 1:
         return {}
     if use_te:
         return {"cp_comm_type": "p2p"}
-    if backend.name == "npu" and not backend.emulated:
-        if config_cls is None:
-            from megatron.core.transformer import TransformerConfig as config_cls
-        known = {f.name for f in dataclasses.fields(config_cls)}
-        wanted = {"context_parallel_algo": "megatron_cp_algo", "cp_attention_mask_type": "causal"}
-        return {k: v for k, v in wanted.items() if k in known}
     return {}
 
 

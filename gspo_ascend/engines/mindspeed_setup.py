@@ -32,22 +32,61 @@ False included, so a second ``repatch`` for another config leaves nothing of the
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from gspo_ascend.config import Config
+from gspo_ascend.errors import ConfigError
 
 _last: dict[str, tuple[str, ...]] | None = None
+
+
+def installed() -> bool:
+    """Whether the real MindSpeed adaptor is importable (not PyPI's empty ``mindspeed`` placeholder)."""
+    try:
+        return importlib.util.find_spec("mindspeed.megatron_adaptor") is not None
+    except ImportError:  # no `mindspeed` package at all
+        return False
+
+
+def enabled(backend: Any) -> bool:
+    """Whether the megatron engine runs under MindSpeed on ``backend`` (a :class:`gspo_ascend.device.Backend`).
+
+    A real NPU: always (a missing MindSpeed is an error there). The emulated NPU (the CPU shim,
+    ``GSPO_DEVICE_SHIM=1``): when the real MindSpeed is installed, i.e. in ``.venv-mindspeed``
+    (``scripts/check_mindspeed.sh``); CI's main venv has none and keeps megatron's plain local spec, as before.
+    CPU and CUDA: never.
+    """
+    if getattr(backend, "name", None) != "npu":
+        return False
+    return True if not backend.emulated else installed()
+
+
+def check_mc2(cfg: Config) -> None:
+    """``actor.use_mc2`` is MindSpeed's ``use_ascend_mc2``: MC2 linear layers replace megatron's column / row
+    parallel linears only with TP > 1 and sequence parallelism (``features_manager/tensor_parallel/mc2.py``);
+    anything else is refused rather than silently running without MC2."""
+    a = cfg.actor
+    if a.use_mc2 and not (a.tensor_parallel_size > 1 and a.sequence_parallel):
+        raise ConfigError(
+            "config key 'actor.use_mc2' (MindSpeed use_ascend_mc2) needs actor.tensor_parallel_size > 1 and "
+            f"actor.sequence_parallel: true (got {a.tensor_parallel_size} and {a.sequence_parallel}); "
+            "set them or set actor.use_mc2: false"
+        )
 
 
 def mindspeed_args(cfg: Config, *, moe: bool) -> dict[str, Any]:
     """The MindSpeed argument values our engine runs with for ``cfg`` (``moe``: the model has experts).
 
     Fused kernels on (flash attention, fused RMSNorm / RoPE / SwiGLU; grouped GEMM for experts), MC2 when
-    ``actor.use_mc2``, MindSpeed's ring CP algorithm when ``actor.context_parallel_size > 1``, and the megatron
-    arguments MindSpeed's features read when they register their patches.
+    ``actor.use_mc2`` (refused without TP > 1 and SP: :func:`check_mc2`), MindSpeed's ring CP algorithm when
+    ``actor.context_parallel_size > 1``, and the megatron arguments MindSpeed's features read when they register
+    their patches.
     """
+    check_mc2(cfg)
     a = cfg.actor
     cp = a.context_parallel_size
     return {
@@ -148,7 +187,57 @@ def apply(args: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     with _recording(MindSpeedPatchesManager, MindSpeedFeaturesManager.FEATURES_LIST) as records:
         adaptor.repatch(dict(args))
     _last = {name: tuple(dict.fromkeys(targets)) for name, targets in records.items() if targets}
+    _fix_float64_all_reduce(MindSpeedPatchesManager)
     return dict(_last)
+
+
+ALL_REDUCE = "torch.distributed.all_reduce"
+
+
+def float64_all_reduce_copy_back_wrapper(fn: Any) -> Any:
+    """``torch.distributed.all_reduce`` for float64 tensors as MindSpeed means it, with the result kept.
+
+    MindSpeed 2.2.0's ``torch_all_reduce_double_dtype_bypass_wrapper`` (``core/megatron_basic/
+    requirements_basic.py``, installed process-wide at adaptor import) reduces a float32 *copy* of a float64
+    tensor (HCCL's all-reduce has no float64) and returns without writing it back: the caller's tensor keeps
+    its local value, so every float64 all-reduce of the process silently becomes a no-op. Our engines reduce
+    token counts, micro-batch counts, the skip flag and metric sums in float64. This wrapper, outermost,
+    reduces the float32 copy itself and copies it back (float32 is exact for counts below 2**24 and ~1e-7
+    relative for sums); other dtypes pass through unchanged. Installed by :func:`apply` through MindSpeed's own
+    patch manager, so MindSpeed's next ``repatch`` removes it with its own wrapper and :func:`apply` adds it
+    again.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        in_kwargs = not args
+        tensor = kwargs["tensor"] if in_kwargs else args[0]
+        if not (torch.is_tensor(tensor) and tensor.dtype == torch.float64):
+            return fn(*args, **kwargs)
+        reduced = tensor.float()
+        if in_kwargs:
+            kwargs = {**kwargs, "tensor": reduced}
+        else:
+            args = (reduced, *args[1:])
+        handle = fn(*args, **kwargs)
+        if handle is not None:
+            handle.wait()
+        tensor.copy_(reduced)
+        return None
+
+    return wrapper
+
+
+def _fix_float64_all_reduce(manager: type) -> None:
+    """Wrap MindSpeed's float64 all-reduce bypass (when this MindSpeed installs one) with
+    :func:`float64_all_reduce_copy_back_wrapper` and apply it (MindSpeed rebinds every module's reference)."""
+    patch = manager.patches_info.get(ALL_REDUCE)
+    if patch is None or not patch.wrappers or float64_all_reduce_copy_back_wrapper in patch.wrappers:
+        return
+    manager.register_patch(ALL_REDUCE, float64_all_reduce_copy_back_wrapper)
+    manager.apply_patches()
 
 
 def registered_features() -> dict[str, tuple[str, ...]]:

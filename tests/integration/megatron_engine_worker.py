@@ -63,6 +63,13 @@ CASES = {
 }
 
 
+# case -> trainer.device for get_backend (default "cpu"); tests/mindspeed registers "npu" cases (the emulated NPU,
+# GSPO_DEVICE_SHIM=1, under the real MindSpeed)
+BACKEND: dict[str, str] = {}
+# more jobs, registered by other workers: name -> fn(engine) -> dict merged into the case's result
+EXTRA_JOBS: dict = {}
+
+
 def model_path(kind: str, out: Path) -> str:
     if kind == "moe":
         return str(ensure_tiny_model(moe=True))
@@ -132,7 +139,7 @@ def make_batches(path: Path) -> None:
 def build(case: str, out: Path):
     kind, overrides, _ = CASES[case]
     cfg = load_config(None, [*BASE, *overrides])
-    backend = get_backend("cpu")
+    backend = get_backend(BACKEND.get(case, "cpu"))
     path = model_path(kind, out)
     if cfg.actor.engine == "fsdp":
         from gspo_ascend.engines.fsdp import FSDPEngine
@@ -181,6 +188,8 @@ def run_case(case: str, out: Path, rank: int, world: int) -> None:
             result.update(offload_round_trip(engine, mine))
         elif job == "nan":
             result.update(nan_step(engine, dp_shard(batch, rank, world, MINIBATCHES)))
+        elif job in EXTRA_JOBS:
+            result.update(EXTRA_JOBS[job](engine))
     engine.close()
     torch.save(result, out / f"{case}.rank{rank}.pt")
 

@@ -335,15 +335,15 @@ def test_npu_without_mindspeed_is_a_one_line_error():
         _import_megatron(NPU)
 
 
-def test_mindspeed_options_keep_only_what_the_config_accepts():
-    import dataclasses
+def test_mindspeed_switches_on_the_local_spec():
+    """Under MindSpeed (a real NPU here) two megatron fields switch its features on the local spec: grouped GEMM
+    (GroupedMLP -> MindSpeedGmmExperts) and bias_activation_fusion (the dense MLP's fused SwiGLU). MindSpeed's own
+    keys reach the TransformerConfig through mindspeed_setup.apply, not these overrides (tests/mindspeed)."""
+    from gspo_ascend.device import NPU, get_backend
+    from gspo_ascend.engines.megatron import _transformer_overrides
 
-    from gspo_ascend.engines.megatron import _mindspeed_options
-
-    @dataclasses.dataclass
-    class PatchedConfig:  # a TransformerConfig as a MindSpeed that knows two of the options would patch it
-        use_flash_attn: bool = False
-        use_ascend_mc2: bool = False
-
-    options = _mindspeed_options(_cfg("actor.use_mc2=true"), moe=False, config_cls=PatchedConfig)
-    assert options == {"use_flash_attn": True, "use_ascend_mc2": True}
+    npu = _transformer_overrides(_cfg(), NPU, moe=True, use_te=False)
+    assert npu["moe_grouped_gemm"] and npu["bias_activation_fusion"]
+    assert "use_flash_attn" not in npu
+    cpu = _transformer_overrides(_cfg(), get_backend("cpu"), moe=True, use_te=False)
+    assert not cpu["moe_grouped_gemm"] and not cpu["bias_activation_fusion"]

@@ -20,8 +20,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # actor overrides, and whether the model
     "moe": {"actor": {"expert_parallel_size": 1}, "moe": True},
     "cp2": {"actor": {"context_parallel_size": 2}, "moe": False},
     "mc2": {"actor": {"use_mc2": True, "tensor_parallel_size": 2, "sequence_parallel": True}, "moe": False},
-    "mc2_tp1": {"actor": {"use_mc2": True}, "moe": False},  # MC2 asked for without TP > 1 and SP
-}
+}  # MC2 without TP > 1 and SP is refused by mindspeed_args (test_mindspeed_engine.py)
 
 
 def _config(kind: str):

@@ -18,7 +18,6 @@ EXPECTED = {
     "moe": {"use_flash_attn", "no_create_attention_mask_in_dataloader", "moe_grouped_gemm"},
     "cp2": {"context_parallel_size"},  # MindSpeed's CP attention class replaces the flash-attention forward patch
     "mc2": {"use_flash_attn", "no_create_attention_mask_in_dataloader", "use_ascend_mc2"},
-    "mc2_tp1": {"use_flash_attn", "no_create_attention_mask_in_dataloader"},  # MC2 needs TP > 1 with SP
 }
 DPA = "megatron.core.transformer.dot_product_attention.DotProductAttention"
 ROPE = "megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb"
@@ -61,7 +60,7 @@ def test_runtime_arguments_carry_the_config(fresh, kind):
     assert args["use_flash_attn"] and args["use_fused_rmsnorm"] and args["use_fused_rotary_pos_emb"]
     assert args["use_fused_swiglu"]
     assert args["moe_grouped_gemm"] == (kind == "moe")
-    assert args["use_ascend_mc2"] == kind.startswith("mc2")
+    assert args["use_ascend_mc2"] == (kind == "mc2")
     assert args["context_parallel_size"] == (2 if kind == "cp2" else 1)
     assert args["context_parallel_algo"] == "megatron_cp_algo"
     # MindSpeed's TransformerConfig.__init__ wrapper copies them into every config built afterwards
@@ -70,7 +69,7 @@ def test_runtime_arguments_carry_the_config(fresh, kind):
 
 def test_repatching_in_one_process_equals_fresh_processes(fresh, worker):
     """apply() for one config after another (MindSpeed's repatch) leaves nothing of the previous config behind."""
-    order = ["dense", "cp2", "moe", "mc2", "mc2_tp1", "dense"]
+    order = ["dense", "cp2", "moe", "mc2", "dense"]
     results = worker(*[f"features:{kind}" for kind in order[:-1]])
     results_last = worker("features:cp2", "features:dense")["features:dense"]
     for kind in order[:-1]:

@@ -22,6 +22,8 @@ The emulated world: there is one "CUDA device", index 0, and it *is* the CPU.
 * Streams and events are synchronous stand-ins; ``synchronize()`` has nothing to wait for.
 * Two gaps that only show without CUDA / Transformer Engine: tensor split sizes for ``all_to_all_single``
   and the ``te_general_gemm`` name in ``moe_utils``.
+* ``pin_memory=True`` in a factory is ignored: pinned host memory only speeds up host <-> device copies, and here
+  the host memory is the device memory (a torch without an accelerator refuses to pin at all).
 
 Deliberately left alone: ``is_available()`` / ``device_count()`` keep answering False / 0 (libraries that
 probe for CUDA are not misled, and megatron-core's training path does not ask), ``Tensor.is_cuda`` and
@@ -104,11 +106,20 @@ _TORCH_FACTORIES = (
 _TENSOR_FACTORIES = ("new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
+# ``pin_memory=True`` in a factory is a no-op here. Pinned (page-locked) host memory only speeds up host <-> device
+# copies; on the emulated device the host memory *is* the device memory, so there is no copy to speed up, while a
+# torch without a usable accelerator refuses to pin at all (torch 2.7.1's CUDA wheel on a CPU box: "Found no NVIDIA
+# driver on your system"). Call sites:
+# the CP index tensors of megatron's and MindSpeed's ``get_pos_emb_on_this_cp_rank``
+# (``torch.tensor([...], device="cpu", pin_memory=True).cuda(non_blocking=True)``). Values, dtype and device of
+# the tensor are unchanged; ``is_pinned()`` reports False.
 def _with_cpu_device(factory: Callable) -> Callable:
     @functools.wraps(factory)
     def redirected(*args: Any, **kwargs: Any) -> Any:
         if "device" in kwargs:
             kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinning is meaningless on the emulated device (above)
         return factory(*args, **kwargs)
 
     return redirected

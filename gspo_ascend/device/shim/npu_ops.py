@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "npu_fusion_attention",
+    "npu_fusion_attention_grad",
     "npu_grouped_matmul",
     "npu_moe_finalize_routing",
     "npu_moe_gating_top_k_softmax",
@@ -588,6 +589,164 @@ def npu_fusion_attention(
         smax, ssum = _replicate_stat(smax), _replicate_stat(ssum)  # [B, N, Sq, 8]
     softmax_out = query.new_empty(0)
     return out, smax, ssum, softmax_out, 0, 0, 0
+
+
+def _attention_grad_core(q, k, v, dy, keep, scale: float, row_max, row_sum, out):
+    """Flash-attention backward for BNSD tensors with the given softmax statistics: (dq, dk, dv).
+
+    ``P = exp(scale * q k^T - row_max) / row_sum`` (masked entries 0), ``dv = P^T dy``, ``dP = dy v^T``,
+    ``dS = P * (dP - rowsum(dy * out))``, ``dq = scale * dS k``, ``dk = scale * dS^T q``; GQA sums dk / dv over
+    each KV head's query heads. ``row_max`` / ``row_sum`` [B, N, Sq] and ``out`` [B, N, Sq, Dv] are the
+    forward's statistics and output; given the statistics of a *larger* attention (more keys than ``k``, as a
+    ring attention passes the combined ones), the result is this block's share of that attention's gradient.
+    None = this call's own softmax, recomputed in the compute dtype (then the result is the gradient of
+    ``npu_fusion_attention`` itself; with the forward's statistics, which are fp32, it is that to fp32 rounding).
+    """
+    cdt = _compute_dtype(q.dtype)
+    n, nkv = q.shape[1], k.shape[1]
+    group = n // nkv
+    qc, kc, vc, dyc = (t.to(cdt) for t in (q, k, v, dy))
+    ke = kc.repeat_interleave(group, dim=1) if group > 1 else kc
+    ve = vc.repeat_interleave(group, dim=1) if group > 1 else vc
+    scores = torch.matmul(qc, ke.transpose(-1, -2)) * scale  # [B, N, Sq, Skv]
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if row_max is None:  # this call's own softmax, in the compute dtype (the forward returns fp32 statistics)
+        m = scores.amax(dim=-1, keepdim=True)
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        out = None
+    else:
+        m = row_max.to(cdt).unsqueeze(-1)
+    p = torch.exp(scores - m)
+    total = p.sum(dim=-1, keepdim=True) if row_sum is None else row_sum.to(cdt).unsqueeze(-1)
+    probs = p / torch.where(total == 0, torch.ones_like(total), total)  # fully masked rows: 0
+    if out is None:
+        out = torch.matmul(probs, ve)
+    dv = torch.matmul(probs.transpose(-1, -2), dyc)  # [B, N, Skv, Dv]
+    dp = torch.matmul(dyc, ve.transpose(-1, -2))  # [B, N, Sq, Skv]
+    ds = probs * (dp - (dyc * out.to(cdt)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qc) * scale  # [B, N, Skv, D]
+    if group > 1:
+        b, _, skv, _ = dk.shape
+        dk = dk.view(b, nkv, group, skv, -1).sum(2)
+        dv = dv.view(b, nkv, group, skv, -1).sum(2)
+    return dq, dk, dv
+
+
+def _stat_bnsd(stat: torch.Tensor | None, layout: str, softmax_layout: str, heads: int) -> torch.Tensor | None:
+    """A forward softmax statistic (``npu_fusion_attention``'s output 1 or 2) -> [B, N, Sq] (TND: [N, T])."""
+    if stat is None:
+        return None
+    if layout != "TND":
+        return stat[..., 0]  # [B, N, Sq, 8]: 8 identical copies
+    if softmax_layout == "TND":
+        return stat[..., 0].transpose(0, 1)  # a true [T, N, 8]
+    return stat.reshape(heads, -1, _STAT_REPLICAS)[..., 0]  # [T, N, 8] shape in NTD storage order
+
+
+def npu_fusion_attention_grad(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dy: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    *,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    softmax_max: torch.Tensor | None = None,
+    softmax_sum: torch.Tensor | None = None,
+    softmax_in: torch.Tensor | None = None,
+    attention_in: torch.Tensor | None = None,
+    scale_value: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = _INT32_MAX,
+    next_tockens: int = _INT32_MAX,
+    inner_precise: int = 0,
+    seed: int = 0,
+    offset: int = 0,
+    numels: int = 0,
+    prefix: Sequence[int] | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+    softmax_layout: str = "",
+):
+    """Backward of :func:`npu_fusion_attention` (torch_npu semantics): ``(dq, dk, dv, dpse)`` for the cotangent
+    ``dy`` of its output, in the layouts of ``query`` / ``key`` / ``value`` and in query's dtype (2.7.1's meta
+    registration); ``dpse`` is an empty tensor (no ``pse``).
+
+    The arguments mean what they mean for the forward (same layouts, masks, ``sparse_mode`` keep rules,
+    ``scale_value`` = the forward's ``scale``). ``softmax_max`` / ``softmax_sum`` / ``attention_in`` are the
+    forward's outputs 1, 2 and 0: the kernel recomputes the probabilities from them instead of re-running the
+    softmax, which is what lets a ring attention (MindSpeed's CP) pass the statistics and output of the *whole*
+    attention while giving one KV block: the result is then that block's share of the gradient. Without them the
+    reference recomputes this call's own forward (the gradient of ``npu_fusion_attention`` itself).
+
+    Same limits and emulation differences as the forward: dropout (``keep_prob != 1``; ``seed`` / ``offset`` /
+    ``numels`` are its RNG state), ``pse`` and sparse modes 5-8 raise; ``softmax_in``, ``inner_precise``,
+    ``prefix``, ``gen_mask_parallel`` and ``sync`` change nothing here. Computed in fp32 for fp16 / bf16 inputs.
+    """
+    nkv = _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob)
+    _check_fusion_attention_limits(query, key, value, head_num, input_layout, atten_mask, actual_seq_qlen)
+    _check_dtype("npu_fusion_attention_grad", "dy", dy)
+    stats = [_stat_bnsd(t, input_layout, softmax_layout, head_num) for t in (softmax_max, softmax_sum)]
+    if (stats[0] is None) != (stats[1] is None) or (stats[0] is not None and attention_in is None):
+        raise ValueError(
+            "npu_fusion_attention_grad: pass softmax_max, softmax_sum and attention_in together (or none of them)"
+        )
+    if input_layout == "TND":
+        dq, dk, dv = _fusion_attention_grad_varlen(
+            query, key, value, dy, atten_mask, scale_value, pre_tockens, next_tockens, actual_seq_qlen,
+            actual_seq_kvlen, sparse_mode, stats, attention_in,
+        )  # fmt: skip
+    else:
+        q = _to_bnsd(query, input_layout, head_num)
+        k, v = _to_bnsd(key, input_layout, nkv), _to_bnsd(value, input_layout, nkv)
+        out = None if attention_in is None else _to_bnsd(attention_in, input_layout, head_num)
+        keep = _keep_mask(atten_mask, q.shape[2], k.shape[2], sparse_mode, pre_tockens, next_tockens, varlen=False)
+        dq, dk, dv = _attention_grad_core(
+            q, k, v, _to_bnsd(dy, input_layout, head_num), keep, scale_value, stats[0], stats[1], out
+        )
+        dq, dk, dv = _from_bnsd(dq, input_layout), _from_bnsd(dk, input_layout), _from_bnsd(dv, input_layout)
+    dtype = query.dtype
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), query.new_empty(0)
+
+
+def _fusion_attention_grad_varlen(query, key, value, dy, atten_mask, scale, pre, nxt, seq_q, seq_kv, sparse_mode,
+                                  stats, attention_in):  # fmt: skip
+    """TND backward: each sequence's block of q / k / v, as :func:`_fusion_attention_varlen` runs the forward."""
+    q_bounds = _seq_bounds(_as_int_list(seq_q), query.shape[0], "actual_seq_qlen")
+    kv_bounds = _seq_bounds(_as_int_list(seq_kv), key.shape[0], "actual_seq_kvlen")
+    if len(q_bounds) != len(kv_bounds):
+        raise ValueError(f"npu_fusion_attention: {len(q_bounds)} query sequences but {len(kv_bounds)} key sequences")
+    cdt = _compute_dtype(query.dtype)
+    dq = torch.zeros(query.shape, dtype=cdt, device=query.device)
+    dk = torch.zeros(key.shape, dtype=cdt, device=key.device)
+    dv = torch.zeros(value.shape, dtype=cdt, device=value.device)
+    for (qs, qe), (ks, ke) in zip(q_bounds, kv_bounds, strict=True):
+        if qe == qs or ke == ks:  # no queries, or nothing to attend to (fully masked rows: zero gradient)
+            continue
+        keep = _keep_mask(atten_mask, qe - qs, ke - ks, sparse_mode, pre, nxt, varlen=True)
+
+        def bnsd(t, start, end):
+            return t[start:end].permute(1, 0, 2).unsqueeze(0)  # [S, N, D] -> [1, N, S, D]
+
+        row_max = None if stats[0] is None else stats[0][:, qs:qe].unsqueeze(0)
+        row_sum = None if stats[1] is None else stats[1][:, qs:qe].unsqueeze(0)
+        out = None if attention_in is None else bnsd(attention_in, qs, qe)
+        gq, gk, gv = _attention_grad_core(
+            bnsd(query, qs, qe), bnsd(key, ks, ke), bnsd(value, ks, ke), bnsd(dy, qs, qe), keep, scale,
+            row_max, row_sum, out,
+        )  # fmt: skip
+        dq[qs:qe] += gq[0].permute(1, 0, 2)
+        dk[ks:ke] += gk[0].permute(1, 0, 2)
+        dv[ks:ke] += gv[0].permute(1, 0, 2)
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------------

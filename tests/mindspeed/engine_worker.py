@@ -1,0 +1,243 @@
+"""One rank of the megatron engine under the real MindSpeed (emulated NPU); launched by test_mindspeed_engine.py.
+
+    python -m tests.mindspeed.engine_worker --cases fsdp_dense,old_dense,ms_dense_tp1 --out DIR
+
+with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and GSPO_DEVICE_SHIM=1 set. The ``ms_*`` cases run through
+tests/integration/megatron_engine_worker.py's machinery (``run_case``: build, log-probs of this rank's rows, update,
+export) with the backend ``npu`` (the CPU shim), on which the engine configures MindSpeed itself. Two jobs of this
+file count the fused ops MindSpeed's patched code calls and describe the built model.
+
+The ``old_*`` cases run the engine as it was at commit ``OLD_COMMIT`` (its ``engines/megatron.py`` and
+``megatron_cp.py``, read with ``git show`` and executed as modules; the other modules are today's, which the old
+engine calls with unchanged signatures) on a backend that takes the old engine's real-NPU branch: MindSpeed's adaptor
+imported with a neutral argv first (what the old engine's ``import mindspeed.megatron_adaptor`` got in a Ray actor:
+Ray's argv has none of MindSpeed's flags), then the old engine. Each records the exception it fails with and the
+warnings it logs. The fsdp and old cases must come first in a process (the MindSpeed engine patches the process).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.integration import megatron_engine_worker as worker
+
+REPO = Path(__file__).resolve().parents[2]
+OLD_COMMIT = "d4f770f"  # issue #13 part 1: the engine before it configured MindSpeed
+CASES = {
+    # name: (model, config overrides, jobs in run order); the fsdp references of megatron_engine_worker
+    # (fsdp_dense, fsdp_kv2) are used too
+    "fsdp_moe": ("moe", ["actor.engine=fsdp"], ("update",)),
+    "ms_dense_tp1": ("dense", [], ("count", "log_probs", "update", "describe")),
+    "ms_moe_tp1": ("moe", [], ("count", "log_probs", "describe")),
+    "ms_dense_tp2": ("dense_kv2", ["actor.tensor_parallel_size=2"], ("count", "log_probs", "update", "describe")),
+    "ms_moe_ep2": ("moe", ["actor.expert_parallel_size=2"], ("count", "log_probs", "update", "describe")),
+    "ms_dense_cp2": ("dense", ["actor.context_parallel_size=2"], ("count", "log_probs", "update", "describe")),
+}
+OLD_CASES = {  # name: (model, config overrides)
+    "old_dense": ("dense", []),
+    "old_moe": ("moe", []),
+    "old_cp2": ("dense", ["actor.context_parallel_size=2"]),
+}
+worker.CASES.update(CASES)
+worker.BACKEND.update({case: "npu" for case in CASES if case.startswith("ms_")})
+_calls: collections.Counter = collections.Counter()
+
+
+# ----------------------------------------------------------------------------------------------- jobs
+
+
+def count_fused_ops(engine) -> dict:
+    """From here on, count every ``torch_npu.npu_*`` call and every call of the shim's references for MindSpeed's
+    own compiled ops (what MindSpeed's patched megatron reaches)."""
+    import torch_npu  # the shim's stand-in
+
+    from gspo_ascend.device.shim import mindspeed_ops
+
+    def counting(name: str, fn: Any) -> Any:
+        if getattr(fn, "_counted", False):
+            return fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _calls[name] += 1
+            return fn(*args, **kwargs)
+
+        call._counted = True
+        return call
+
+    for name in [n for n in dir(torch_npu) if n.startswith("npu_")]:
+        setattr(torch_npu, name, counting(name, getattr(torch_npu, name)))
+    for module in mindspeed_ops.OP_MODULES.values():
+        for name in [n for n in vars(module) if not n.startswith("_")]:
+            setattr(module, name, counting(f"mindspeed.{name}", getattr(module, name)))
+    _calls.clear()
+    return {}
+
+
+def describe(engine) -> dict:
+    """What the engine built under MindSpeed: the fused-op calls since ``count``, the MindSpeed fields of the model's
+    TransformerConfig, the classes of core attention / experts / optimizer, and MindSpeed's patch targets outside
+    megatron (the process-wide ones)."""
+    from gspo_ascend.engines import megatron_bridge as mb
+    from gspo_ascend.engines import mindspeed_setup
+
+    model = mb.unwrap(engine.models[0])
+    layer = model.decoder.layers[0]
+    keys = ("use_flash_attn", "use_fused_rmsnorm", "use_fused_rotary_pos_emb", "use_fused_swiglu", "moe_grouped_gemm",
+            "use_ascend_mc2", "bias_activation_fusion", "context_parallel_algo", "sparse_mode")  # fmt: skip
+    inner = [type(sub.optimizer).__module__ + "." + type(sub.optimizer).__name__ for sub in engine._sub_optimizers()]
+    targets = {t for registered in mindspeed_setup.registered_features().values() for t in registered}
+    outside = sorted(t for t in targets if not t.startswith("megatron."))
+    return {
+        "calls": dict(_calls),
+        "config": {k: getattr(engine.tconfig, k, None) for k in keys},
+        "core_attention": type(layer.self_attention.core_attention).__name__,
+        "norm": type(layer.input_layernorm).__module__,
+        "experts": type(layer.mlp.experts).__name__ if engine.moe else None,
+        "optimizer": inner,
+        "process_wide_targets": outside,
+        "float64_all_reduce": _float64_all_reduce(engine),
+        **_process_wide_behaviour(),
+    }
+
+
+def _process_wide_behaviour() -> dict:
+    """Two of MindSpeed's process-wide patches observed from outside megatron: ``Tensor.view`` of a non-contiguous
+    (but viewable) tensor returns a view of a *copy*, so writes through it are lost; ``torch.compile`` returns the
+    function unchanged (MindSpeed's ``dummy_compile``)."""
+    base = torch.zeros(4, 4)
+    base[:, :2].view(4, 2).fill_(1.0)  # plain torch: a view of base's memory
+    compiled = torch.compile(torch.sin)
+    return {
+        "view_writes_through": bool(base[:, :2].eq(1.0).all()),
+        "compile_module": torch.compile.__module__,
+        "compile_returns_eager_wrapper": compiled.__module__.startswith("mindspeed"),
+    }
+
+
+def _float64_all_reduce(engine) -> dict:
+    """A float64 SUM over all ranks through ``torch.distributed.all_reduce`` as the process now has it (MindSpeed's
+    bypass wrapped by our fix), and through MindSpeed's own bypass alone."""
+    import torch.distributed as dist
+    from mindspeed.patch_utils import MindSpeedPatchesManager
+
+    from gspo_ascend.engines import mindspeed_setup
+
+    rank = dist.get_rank()
+    patched = torch.tensor([rank + 1.0], dtype=torch.float64)
+    dist.all_reduce(patched)
+    patch = MindSpeedPatchesManager.patches_info[mindspeed_setup.ALL_REDUCE]
+    mindspeed_only = patch.wrappers[0](patch.orig_func)  # MindSpeed's torch_all_reduce_double_dtype_bypass_wrapper
+    raw = torch.tensor([rank + 1.0], dtype=torch.float64)
+    mindspeed_only(raw)
+    return {"ours": float(patched), "mindspeed_bypass": float(raw), "wrappers": [w.__name__ for w in patch.wrappers]}
+
+
+worker.EXTRA_JOBS.update(count=count_fused_ops, describe=describe)
+
+
+# ----------------------------------------------------------------------------------------------- the old engine
+
+
+def _git_show(path: str) -> str:
+    return subprocess.run(
+        ["git", "show", f"{OLD_COMMIT}:{path}"], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout
+
+
+def _module(name: str, source: str, filename: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return module
+
+
+def old_engine_module() -> types.ModuleType:
+    """``gspo_ascend/engines/megatron.py`` at ``OLD_COMMIT``, importing that commit's ``megatron_cp.py``."""
+    if "gspo_old.megatron" in sys.modules:
+        return sys.modules["gspo_old.megatron"]
+    cp = _module("gspo_old.megatron_cp", _git_show("gspo_ascend/engines/megatron_cp.py"), f"{OLD_COMMIT}:megatron_cp")
+    source = _git_show("gspo_ascend/engines/megatron.py")
+    line = "from gspo_ascend.engines import megatron_cp as cp_support\n"
+    assert line in source
+    module = _module("gspo_old.megatron", source.replace(line, ""), f"{OLD_COMMIT}:megatron.py")
+    module.cp_support = cp
+    return module
+
+
+def run_old_case(case: str, out: Path, rank: int, world: int) -> None:
+    """The old engine on a "real NPU" as its code sees it (name npu, not emulated; tensors on the CPU): build it
+    and compute log-probs; record the first exception and the warnings."""
+    from gspo_ascend.config import load_config
+    from gspo_ascend.device import NPU_SHIM, shim
+    from gspo_ascend.engines import megatron_bridge as mb
+    from gspo_ascend.engines import mindspeed_setup
+    from gspo_ascend.engines.megatron_compat import destroy_model_parallel
+    from gspo_ascend.engines.microbatch import dp_shard
+
+    kind, overrides = OLD_CASES[case]
+    old = old_engine_module()
+    mb.prime_device_context()
+    shim.install(mindspeed=True)  # on the NPU: the real torch_npu
+    with mindspeed_setup._neutral_argv():  # what the old engine's import of the adaptor saw in a Ray actor
+        import mindspeed.megatron_adaptor  # noqa: F401
+    backend = dataclasses.replace(NPU_SHIM, emulated=False)
+    cfg = load_config(None, [*worker.BASE, *overrides])
+    batch = torch.load(out / "batches.pt", weights_only=False)["main"]
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger(old.__name__).addHandler(handler)
+    engine, stage, error, experts = None, "build", None, None
+    try:
+        engine = old.MegatronEngine(cfg, backend, worker.model_path(kind, out))
+        if engine.moe:
+            experts = type(mb.unwrap(engine.models[0]).decoder.layers[0].mlp.experts).__name__
+        stage = "log_probs"
+        engine.compute_log_probs(dp_shard(batch, rank, world, 1), worker.TEMPERATURE)
+        stage = "done"
+    except Exception as exc:  # noqa: BLE001 -- recording it is the point
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if engine is not None:
+            engine.close()
+        else:
+            destroy_model_parallel()
+    result = {"case": case, "stage": stage, "error": error, "warnings": warnings, "experts": experts}
+    torch.save(result, out / f"{case}.rank{rank}.pt")
+
+
+def main() -> None:
+    import argparse
+    import os
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case in args.cases.split(","):
+            if case in OLD_CASES:
+                run_old_case(case, args.out, rank, world)
+            else:
+                worker.run_case(case, args.out, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

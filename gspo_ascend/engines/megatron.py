@@ -70,6 +70,11 @@ in this process, under these patches: with ``enforce_eager`` (our NPU default) g
 ``torch.compile`` pass-through changes nothing, but ``rollout.enforce_eager: false`` would silently run eager; the
 ``Tensor.view`` change alters results only for code that writes through a view of a non-contiguous tensor, which we
 have not audited in vllm-ascend 0.11 (not run: no NPU here).
+
+One file of ~870 lines because set-up, forward, update, checkpoint and export all work on one model / optimizer /
+process-group state under megatron's call protocol; what has a concern of its own lives beside it
+(:mod:`.megatron_bridge` weights and names, :mod:`.megatron_cp` context parallelism, :mod:`.megatron_compat`
+release differences, :mod:`.mindspeed_setup` MindSpeed's configuration).
 """
 
 from __future__ import annotations

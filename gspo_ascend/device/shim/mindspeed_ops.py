@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from . import npu_ops
+from . import npu_ops, npu_ops_common
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _ROTATE_HALF, _ROTATE_INTERLEAVED = 0, 1
@@ -30,7 +30,7 @@ _BROADCAST_LIMIT = 1024
 
 
 def _check_float(op: str, name: str, t: torch.Tensor) -> None:
-    if t.dtype in _FLOATS or (t.dtype == torch.float64 and npu_ops._float64_ok):
+    if t.dtype in _FLOATS or (t.dtype == torch.float64 and npu_ops_common.float64_allowed()):
         return
     raise ValueError(f"{op}: {name} dtype {t.dtype} is invalid, should be float32, float16 or bfloat16 (MindSpeed)")
 

@@ -50,6 +50,8 @@ from typing import Any
 import torch
 import torch.distributed
 
+from ._import_hooks import spec_with_after_exec
+
 # (object, attribute name, original value or _MISSING), in installation order; uninstall walks it backwards.
 _MISSING = object()
 _patched: list[tuple[Any, str, Any]] = []
@@ -390,35 +392,11 @@ _FIXUPS: dict[str, Callable[[Any], None]] = {
 }
 
 
-class _FixupLoader(importlib.abc.Loader):
-    """Wraps a module's real loader and applies its fix-up right after the module body ran."""
-
-    def __init__(self, inner: importlib.abc.Loader, fixup: Callable[[Any], None]):
-        self._inner, self._fixup = inner, fixup
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._inner.exec_module(module)
-        self._fixup(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... for tracebacks and inspect
-        return getattr(self._inner, name)
-
-
 class _FixupFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname not in _FIXUPS:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _FixupLoader(spec.loader, _FIXUPS[fullname])
-                return spec
-        return None
+        return spec_with_after_exec(self, fullname, path, target, _FIXUPS[fullname])
 
 
 def _install_fixups() -> None:

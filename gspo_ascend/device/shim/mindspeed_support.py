@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ._import_hooks import spec_with_after_exec
+
 _MISSING = object()
 # module names this file puts into sys.modules (and removes again)
 _MODULES = (
@@ -130,22 +132,10 @@ def _unseed_op_cache() -> None:
     _seeded.clear()
 
 
-class _SeedingLoader(importlib.abc.Loader):
-    """Wraps the real loader of MindSpeed's builder module and seeds its op cache right after the body ran."""
-
-    def __init__(self, inner: importlib.abc.Loader):
-        self._inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._inner.exec_module(module)
-        _seed_op_cache(module)
-        _alias_npu_kernels_to_cpu(module.AS_LIBRARY)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_code, ... for tracebacks and inspect
-        return getattr(self._inner, name)
+def _after_builder_exec(module: types.ModuleType) -> None:
+    """Right after MindSpeed's builder module ran: seed its op cache, alias its NPU kernels to CPU."""
+    _seed_op_cache(module)
+    _alias_npu_kernels_to_cpu(module.AS_LIBRARY)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -156,14 +146,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(fullname, _TransferToNpuLoader())
         if fullname != _BUILDER_MODULE:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _SeedingLoader(spec.loader)
-                return spec
-        return None
+        return spec_with_after_exec(self, fullname, path, target, _after_builder_exec)
 
 
 # ---------------------------------------------------------------------------------------------------------

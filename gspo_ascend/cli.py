@@ -33,25 +33,48 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config.to_dict(cfg), sort_keys=False), end="")
         return 0
+    if args.dry_run:
+        return dry_run(cfg)
     from .device import get_backend
 
-    backend = get_backend(cfg.trainer.device)  # fails early, with the fix, when the device is unusable
-    if args.dry_run:
-        from .doctor import preflight
-
-        findings = preflight.preflight(cfg)
-        shown = [c for c in findings if c.status != "ok"]
-        for c in shown:
-            print(f"[{c.status:>4}] {c.name}: {c.finding}" + (f"\n       fix: {c.fix}" if c.fix else ""))
-        failed = preflight.failures(findings)
-        if failed:
-            raise UserError(f"preflight found {len(failed)} problem(s) in the config (listed above on stdout)")
-        print(f"config ok; device backend: {backend.name}{' (CPU shim)' if backend.emulated else ''}")
-        return 0
+    get_backend(cfg.trainer.device)  # fails early, with the fix, when the device is unusable
     from .trainer import train
 
     train(cfg)
     return 0
+
+
+def dry_run(cfg) -> int:
+    """``train --dry-run``: every config and layout finding first, then the device's. The device comes last
+    because a laptop checking an NPU cluster's config has no NPU: its finding must not hide the layout problems
+    that would otherwise surface only on the cluster."""
+    from .device import get_backend
+    from .doctor import preflight
+    from .doctor.check import Check
+    from .errors import DeviceError
+
+    findings = preflight.preflight(cfg)
+    try:
+        backend = get_backend(cfg.trainer.device)
+        device = Check("device", "ok", f"{backend.name}{' (CPU shim)' if backend.emulated else ''}")
+    except DeviceError as exc:
+        device = Check("device", "fail", str(exc))
+    failed = preflight.failures(findings)
+    if device.status == "fail" and not failed:
+        _print_findings(findings)
+        raise DeviceError(device.finding)  # the one problem: its own line, as a real run would print it
+    _print_findings([*findings, device])
+    if failed:
+        on_device = " and 1 with the device" if device.status == "fail" else ""
+        raise UserError(f"preflight found {len(failed)} problem(s) in the config{on_device} (listed above on stdout)")
+    print(f"config ok; device backend: {device.finding}")
+    return 0
+
+
+def _print_findings(checks) -> None:
+    for c in checks:
+        if c.status != "ok":
+            print(f"[{c.status:>4}] {c.name}: {c.finding}" + (f"\n       fix: {c.fix}" if c.fix else ""))
 
 
 def _default_train_config(args: argparse.Namespace) -> None:

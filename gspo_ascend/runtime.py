@@ -39,7 +39,16 @@ def resolve_model_path(cfg: Config) -> str:
         return str(ensure_tiny_model())
     path = Path(cfg.model.path).expanduser()
     if not (path / "config.json").is_file():
+        from .doctor.modelspec import builtin_match
+
         what = "does not exist" if not path.exists() else "has no config.json (not a Hugging Face model directory)"
+        match = builtin_match(cfg.model.path)
+        if match:  # --dry-run, plan and doctor accepted this path; say why training does not
+            raise UserError(
+                f"model.path '{path}' {what}: training needs the weights of {match[0]} there (its built-in spec "
+                "serves only --dry-run, plan and doctor); download the model to that directory or point model.path "
+                "at a local HF checkpoint directory"
+            )
         raise UserError(f"model.path '{path}' {what}; point model.path at a local HF checkpoint directory")
     return str(path)
 

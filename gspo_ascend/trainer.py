@@ -19,7 +19,9 @@ recompute pass entirely (the paper's point that sequence-level ratios tolerate t
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +47,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
             export_hf(run)
     finally:
         stop(run)
+    t = cfg.trainer
+    print("\n".join(run_summary(run.output_dir, t.loggers, t.project_name)), flush=True)
     return history
 
 
@@ -186,6 +190,39 @@ def stop(run: Run) -> None:
         run.logger.close()
     if run.workers is not None:
         run.workers.shutdown()
+
+
+def run_summary(output_dir: str | Path, loggers: list[str], project_name: str = "") -> list[str]:
+    """The closing lines of a run: where its outputs are and the commands that show them. Only what exists is
+    named as a path; a sink left out of ``trainer.loggers`` is named as such, so an absent file is explained."""
+    from .checkpoint import find_latest
+    from .metrics import JSONL_NAME, TENSORBOARD_DIR
+
+    run_dir = Path(output_dir).resolve()
+    latest, hf = find_latest(run_dir), run_dir / "hf"
+    metrics, tensorboard = run_dir / JSONL_NAME, run_dir / TENSORBOARD_DIR
+
+    def where(path: Path | None, logger: str | None = None, missing: str = "none") -> str:
+        if logger is not None and logger not in loggers:
+            return f"not written (trainer.loggers has no '{logger}')"
+        return str(path) if path is not None and path.exists() else missing
+
+    lines = [
+        f"run finished; outputs in {run_dir}",
+        f"  run directory    {run_dir} (config.json: the resolved config)",
+        f"  last checkpoint  {where(latest, missing='none saved (trainer.save_freq, or no step ran)')}",
+        f"  HF export        {where(hf, missing='none written')}",
+        f"  metrics          {where(metrics, 'jsonl')}",
+        f"  TensorBoard      {where(tensorboard, 'tensorboard')}",
+    ]
+    if "wandb" in loggers:
+        lines.append(f"  W&B              project '{project_name}' (trainer.project_name)")
+    commands = []
+    if metrics.exists():  # `plot` reads metrics.jsonl
+        commands.append(f"  gspo-ascend plot {shlex.quote(str(run_dir))}   # PNG curves into {run_dir / 'plots'}")
+    if tensorboard.exists():
+        commands.append(f"  tensorboard --logdir {shlex.quote(str(tensorboard))}")
+    return lines + (["look at it:", *commands] if commands else [])
 
 
 class Timer:

@@ -1,6 +1,11 @@
 """A model's shape from its local HF ``config.json`` and its parameter counts per device under tensor /
 expert parallelism. Used by the preflight (head / layer / expert divisibility) and the memory planner.
 
+Without a local ``config.json`` (a laptop checking a cluster run, the weights elsewhere) ``model.path`` may name a
+model with a built-in spec: the published config.json fields of the models our configs and scripts use, shipped
+as data in ``model_specs.json``. A path matches by its exact hub id (``Qwen/Qwen3-30B-A3B``) or by its last
+component (``/models/Qwen3-30B-A3B``), case-insensitively; the spec then says which entry it used and how.
+
 Counts follow the HF module layout of the supported families (Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama,
 Mistral): q/k/v/o projections (+ q/k/v bias on Qwen2), per-head q/k RMSNorm on Qwen3, SwiGLU MLPs
 (3 matrices), per-layer router on MoE layers, two RMSNorms per layer, a final norm, the embedding and an
@@ -9,8 +14,9 @@ untied lm_head. Megatron shards q/k/v/o, the MLPs and the vocabulary over TP; no
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import UserError
@@ -25,6 +31,7 @@ ARCHS = {
     "mistral": (False, False),
 }
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "max_position_embeddings")
+BUILTIN_FILE = "model_specs.json"  # package data next to this module (pyproject: [tool.setuptools.package-data])
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,8 @@ class ModelSpec:
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     moe_layer_flags: tuple[bool, ...] = ()
+    builtin: str = ""  # the hub id of the built-in spec used instead of a local config.json; "" = config.json
+    note: str = ""  # one line saying which built-in spec was used and why (printed by preflight, plan)
 
     # -- structure ----------------------------------------------------------------------------------------
 
@@ -163,12 +172,58 @@ def spec_from_dict(raw: dict, source: str = "config.json") -> ModelSpec:
     )
 
 
+@functools.lru_cache(maxsize=1)
+def builtin_specs() -> dict[str, dict]:
+    """hub id -> {"source": URL of the published config.json, "config": its fields} from ``model_specs.json``."""
+    from importlib.resources import files
+
+    return json.loads((files(__package__) / BUILTIN_FILE).read_text(encoding="utf-8"))["models"]
+
+
+def builtin_ids() -> list[str]:
+    return list(builtin_specs())
+
+
+def builtin_match(model_path: str) -> tuple[str, str] | None:
+    """(hub id, how it matched) for a ``model.path`` naming a model with a built-in spec, else None.
+
+    The exact hub id first; then the last path component against the ids' names, because cluster configs point
+    at a download directory named after the model (``/models/Qwen3-30B-A3B``). Case-insensitive: download tools
+    and people lower-case these names (``qwen3-30b-a3b``)."""
+    text = str(model_path).strip().rstrip("/")
+    ids = {hub_id.lower(): hub_id for hub_id in builtin_specs()}
+    if text.lower() in ids:
+        return ids[text.lower()], "the hub id"
+    names = {hub_id.split("/")[-1].lower(): hub_id for hub_id in builtin_specs()}
+    last = Path(text).name
+    if last.lower() in names:
+        return names[last.lower()], f"its last path component '{last}'"
+    return None
+
+
+def builtin_spec(hub_id: str, model_path: str, how: str) -> ModelSpec:
+    entry = builtin_specs()[hub_id]
+    spec = spec_from_dict(entry["config"], f"built-in spec {hub_id}")
+    note = (
+        f"model.path '{model_path}' has no config.json: using the built-in spec of {hub_id} (matched by {how}; "
+        f"fields of {entry['source']})"
+    )
+    return replace(spec, builtin=hub_id, note=note)
+
+
 def load_spec(model_path: str) -> ModelSpec:
-    """``<model.path>/config.json`` (or a path to the JSON itself) as a :class:`ModelSpec`."""
-    path = Path(model_path)
+    """``<model.path>/config.json`` (or a path to the JSON itself) as a :class:`ModelSpec`; without one, the
+    built-in spec that ``model.path`` names (:func:`builtin_match`)."""
+    path = Path(model_path).expanduser()
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
-        raise UserError(f"model.path '{model_path}' has no config.json; point model.path at a local HF model directory")
+        match = builtin_match(model_path)
+        if match is None:
+            raise UserError(
+                f"model.path '{model_path}' has no config.json and names no model with a built-in spec; point "
+                f"model.path at a local HF model directory or use one of: {', '.join(builtin_ids())}"
+            )
+        return builtin_spec(match[0], model_path, match[1])
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -62,6 +62,7 @@ class Plan:
     score: float
     variants: dict[str, dict[str, int]]
     knobs: list[Knob] = field(default_factory=list)
+    spec_note: str = ""  # set when the model came from a built-in spec (no local config.json)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -292,6 +293,7 @@ def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
         verdict=_verdict(max(p_train, p_roll, p_kv)),
         score=max(p_train, p_roll, p_kv),
         variants={},
+        spec_note=spec.note,
     )
 
 
@@ -404,7 +406,9 @@ def _gib(n: int) -> str:
 
 
 def render_text(p: Plan) -> str:
-    lines = [f"gspo-ascend plan: {p.model}", f"hardware: {p.hardware}", f"layout: {p.layout}", ""]
+    lines = [f"gspo-ascend plan: {p.model}"]
+    lines += [f"note: {p.spec_note}"] if p.spec_note else []
+    lines += [f"hardware: {p.hardware}", f"layout: {p.layout}", ""]
     for phase, verdict in ((p.train, p.train_verdict), (p.rollout, p.rollout_verdict)):
         lines.append(f"{phase.name} ({phase.where}), GiB per device:")
         for name, value in phase.parts.items():
@@ -437,7 +441,10 @@ def plan_from_config(path: str | None, overrides=(), hardware: str = "auto") -> 
 
     cfg = config_mod.load_config(path, overrides)
     if not cfg.model.path:
-        raise UserError("plan needs model.path: a local HF model directory with config.json (the tiny model is '')")
+        raise UserError(
+            "plan needs model.path: a local HF model directory with config.json, or a model with a built-in spec "
+            "(docs/memory-planner.md lists them; the embedded tiny model is '')"
+        )
     spec = load_spec(cfg.model.path)
     bad = failures(preflight(cfg))
     if bad:

@@ -343,6 +343,14 @@ def model_check(cfg) -> tuple[ModelSpec | None, Check]:
         return None, Check("preflight:model", "fail", str(exc), "fix model.path")
     kind = f"MoE {spec.experts} experts top-{spec.top_k}" if spec.is_moe else "dense"
     params = f"{spec.total_params / 1e9:.2f}B params"
+    if spec.builtin:
+        # a warning, not ok: every check below holds for the real model, but a run from here would find no weights
+        return spec, Check(
+            "preflight:model",
+            "warn",
+            f"{spec.note}: {spec.model_type} ({kind}, {params})",
+            f"a real run needs the weights of {spec.builtin} at model.path; the built-in spec serves the checks only",
+        )
     return spec, Check("preflight:model", "ok", f"{spec.model_type} ({kind}, {params}) from {spec.source}")
 
 

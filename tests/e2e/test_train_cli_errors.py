@@ -62,6 +62,14 @@ def test_missing_model_path(capsys, tmp_path):
     assert_one_line(code, err, "model.path", "no-model", "does not exist")
 
 
+def test_missing_weights_of_a_model_with_a_builtin_spec(capsys, tmp_path):
+    # --dry-run, plan and doctor accept this path through the built-in spec; training needs the weights
+    missing = tmp_path / "Qwen3-8B"
+    code, err = run_main(capsys, f"model.path={missing}", f"trainer.output_dir={tmp_path / 'run'}")
+    assert_one_line(code, err, f"model.path '{missing}' does not exist", "training needs the weights of Qwen/Qwen3-8B")
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_reward_function(capsys, tmp_path):
     code, err = run_main(capsys, "reward.reward_fn=no_such_module_xyz:score", f"trainer.output_dir={tmp_path}")
     assert_one_line(code, err, "no_such_module_xyz")

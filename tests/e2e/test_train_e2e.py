@@ -76,6 +76,14 @@ def test_gspo_improves_reward_and_writes_a_complete_run(tmp_path):
     assert all(0 <= r["actor/clipfrac_seq"] <= 1 for r in rows)
     assert rows[0]["sync/bytes"] > 1e6  # the whole 427k-param fp32 model crossed over each step
     assert f"step {steps}/{steps} reward=" in proc.stdout  # the progress line (plain when not a TTY)
+    # the closing summary: where the outputs are and how to look at them
+    run_dir = out.resolve()
+    assert f"  last checkpoint  {run_dir}/checkpoints/step_{steps:08d}\n" in proc.stdout
+    assert f"  HF export        {run_dir}/hf\n" in proc.stdout
+    assert (
+        f"  gspo-ascend plot {run_dir}   #" in proc.stdout
+        and f"tensorboard --logdir {run_dir}/tensorboard" in proc.stdout
+    )
 
     from transformers import AutoModelForCausalLM
 

@@ -74,3 +74,44 @@ def test_doctor_cpu_mode(cli):
     checks = {c["name"]: c for c in json.loads(proc.stdout)}
     assert checks["device"]["status"] == "ok" and "CPU mode" in checks["device"]["finding"]
     assert "shim" in checks["cpu-shim"]["finding"]
+
+
+def test_end_of_run_summary_names_the_outputs_and_the_commands(tmp_path):
+    from gspo_ascend import checkpoint
+    from gspo_ascend.trainer import run_summary
+
+    run = tmp_path.resolve() / "my run"  # a space: the printed commands must still paste into a shell
+    for step in (2, 4):
+        checkpoint.commit(checkpoint.begin(run, step), step, {"step": step})
+    (run / "hf").mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "tensorboard").mkdir()
+    lines = run_summary(run, ["console", "jsonl", "tensorboard"])
+    assert lines == [
+        f"run finished; outputs in {run}",
+        f"  run directory    {run} (config.json: the resolved config)",
+        f"  last checkpoint  {run}/checkpoints/step_00000004",
+        f"  HF export        {run}/hf",
+        f"  metrics          {run}/metrics.jsonl",
+        f"  TensorBoard      {run}/tensorboard",
+        "look at it:",
+        f"  gspo-ascend plot '{run}'   # PNG curves into {run}/plots",
+        f"  tensorboard --logdir '{run}/tensorboard'",
+    ]
+    assert not any("eval" in line for line in lines)  # no `gspo-ascend eval` yet: never advertise it
+
+
+def test_end_of_run_summary_explains_what_was_not_written(tmp_path):
+    from gspo_ascend.trainer import run_summary
+
+    tmp_path = tmp_path.resolve()  # the summary prints absolute, resolved paths
+    lines = run_summary(tmp_path, ["console", "wandb"], "my-project")
+    assert lines == [
+        f"run finished; outputs in {tmp_path}",
+        f"  run directory    {tmp_path} (config.json: the resolved config)",
+        "  last checkpoint  none saved (trainer.save_freq, or no step ran)",
+        "  HF export        none written",
+        "  metrics          not written (trainer.loggers has no 'jsonl')",
+        "  TensorBoard      not written (trainer.loggers has no 'tensorboard')",
+        "  W&B              project 'my-project' (trainer.project_name)",
+    ]

@@ -10,6 +10,7 @@ import pytest
 from gspo_ascend.doctor import exit_code, render_text, run_checks
 from gspo_ascend.doctor.hardware import parse_npu_smi, parse_nvidia_smi, profile_for
 from gspo_ascend.doctor.runner import CommandResult
+from tests.conftest import REPO
 from tests.fixtures.doctor.fakehost import HERE, SOURCED, VERL_STACK, context, make_sysroot, recorded
 
 # requirements-npu.txt's stack as pip lists it: verl's with the vllm-ascend 0.11.0 wheel and the transformers it
@@ -290,6 +291,20 @@ def test_doctor_config_with_unknown_key_is_a_finding(cli, tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "[fail] preflight:config:" in proc.stdout
     assert "unknown config key 'algorithm.filter_groups.enable'" in proc.stdout
+
+
+def test_doctor_config_without_weights_checks_with_the_builtin_spec(cli):
+    # the shipped cluster config names /models/Qwen3-30B-A3B, which this machine does not have
+    proc = cli("doctor", "--json", "--config", str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"))
+    checks = {c["name"]: c for c in json.loads(proc.stdout)}
+    model = checks["preflight:model"]
+    if model["status"] == "ok":
+        pytest.skip("/models/Qwen3-30B-A3B exists on this machine; the built-in spec is not used")
+    assert model["status"] == "warn", model
+    assert "using the built-in spec of Qwen/Qwen3-30B-A3B (matched by its last path component" in model["finding"]
+    assert checks["preflight:heads"]["finding"] == "32 heads / 4 KV heads split over TP 4"
+    assert [c["name"] for c in checks.values() if c["name"].startswith("preflight:") and c["status"] == "fail"] == []
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_mc2_needs_cann_80rc2(tmp_path):

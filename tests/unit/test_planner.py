@@ -243,3 +243,28 @@ def test_plan_cli_bad_input_exit_2(cli, args, fragment):
     proc = cli("plan", *args)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_plan_cli_without_weights_uses_the_builtin_spec_and_says_so(cli):
+    # the same layout as test_plan_cli_json, with the hub id instead of the fixture's config.json
+    proc = cli("plan", *MOE, *TP4_PP2_EP4, "model.path=Qwen/Qwen3-30B-A3B", "--hardware", "atlas-800t-a2")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (
+        "gspo-ascend plan: qwen3_moe (30.53B params, MoE, 3.35B active) from built-in spec Qwen/Qwen3-30B-A3B"
+    )
+    assert lines[1] == (
+        "note: model.path 'Qwen/Qwen3-30B-A3B' has no config.json: using the built-in spec of Qwen/Qwen3-30B-A3B "
+        "(matched by the hub id; fields of https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json)"
+    )
+    assert "  total          37.78   fits" in proc.stdout  # = 40,562,475,008 B, as from the config.json
+
+
+def test_plan_cli_unknown_hub_id_lists_the_builtin_ids(cli):
+    proc = cli("plan", *MOE, "model.path=Qwen/Qwen9-1B")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].endswith(
+        "Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, "
+        "Qwen/Qwen2.5-3B, Qwen/Qwen2.5-7B, Qwen/Qwen2.5-14B, Qwen/Qwen2.5-32B"
+    )

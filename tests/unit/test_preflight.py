@@ -3,7 +3,9 @@ config passes; `train --dry-run` exits 2 listing every finding."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -199,8 +201,25 @@ def test_rule_devices_per_node_against_the_host():
 def test_rule_model_path():
     bad = finding(run(MOE_2X8, "model.path=/nonexistent/model"), "model")
     assert bad.status == "fail" and "'/nonexistent/model' has no config.json" in bad.finding
+    assert "Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B" in bad.finding  # the ids that would have worked
     assert "model checks skipped" in finding(run([], "model.path=''"), "model").finding
     assert "qwen3_moe (MoE 128 experts top-8, 30.53B params)" in finding(run(MOE_2X8), "model").finding
+
+
+def test_rule_model_path_without_weights_uses_the_builtin_spec():
+    # a laptop checking the cluster config: /models/Qwen3-30B-A3B is not here; every rule still runs
+    checks = run(MOE_2X8, "model.path=/models/Qwen3-30B-A3B")
+    model = finding(checks, "model")
+    assert model.status == "warn"
+    assert model.finding.startswith(
+        "model.path '/models/Qwen3-30B-A3B' has no config.json: using the built-in spec of Qwen/Qwen3-30B-A3B "
+        "(matched by its last path component 'Qwen3-30B-A3B'"
+    )
+    assert "a real run needs the weights of Qwen/Qwen3-30B-A3B" in model.fix
+    assert [c for c in checks if c.status != "ok"] == [model]
+    assert finding(checks, "experts").finding == "128 experts = 32 per EP rank"  # facts from the built-in spec
+    tp8 = finding(run(MOE_2X8, "model.path=Qwen/Qwen3-30B-A3B", "actor.tensor_parallel_size=8"), "heads")
+    assert "built-in spec Qwen/Qwen3-30B-A3B has num_key_value_heads=4" in tp8.finding
 
 
 def test_unknown_key_is_a_finding_with_the_closest_key(tmp_path):
@@ -211,19 +230,13 @@ def test_unknown_key_is_a_finding_with_the_closest_key(tmp_path):
     assert "unknown config key 'algorithm.clip_ratio_lo'; did you mean 'algorithm.clip_ratio_low'?" in checks[0].finding
 
 
-def _shipped(path: Path) -> list[str]:
-    # shipped cluster configs point at models on the cluster; use the fixture of the same name when present
-    cfg = config.load_config(path, validate=False)
-    if cfg.model.path and not Path(cfg.model.path).exists():
-        fixture = MODELS / Path(cfg.model.path).name.lower()
-        return [f"model.path={fixture}" if fixture.exists() else "model.path=''"]
-    return []
-
-
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_passes(path):
-    _, checks = preflight_file(str(path), _shipped(path))
+    # as shipped: cluster configs name /models/<model>, absent here, so their built-in specs stand in
+    _, checks = preflight_file(str(path))
     assert fails(checks) == [], [c.finding for c in fails(checks)]
+    model = finding(checks, "model")
+    assert model.status == "ok" or "using the built-in spec of Qwen/" in model.finding
 
 
 def test_train_dry_run_lists_every_problem(cli):
@@ -240,3 +253,66 @@ def test_train_dry_run_lists_every_problem(cli):
     assert "[fail] preflight:moe-folding" in proc.stdout and "[fail] preflight:batch" in proc.stdout
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0] == "error: preflight found 2 problem(s) in the config (listed above on stdout)"
+
+
+# ----------------------------------------------------------------------------------------------- train --dry-run
+
+NPU_30B = [str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "trainer.device=npu", "model.path=Qwen/Qwen3-30B-A3B"]
+
+
+def dry_run_without_shim(*args: str) -> subprocess.CompletedProcess:
+    """`gspo-ascend train --dry-run` as on a laptop: no NPU stack and no GSPO_DEVICE_SHIM in the environment."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GSPO_DEVICE_SHIM", "GSPO_DEVICE")}
+    return subprocess.run(
+        [sys.executable, "-m", "gspo_ascend.cli", "train", "--dry-run", "--config", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    "override, rule, fragment",
+    [
+        (
+            "actor.tensor_parallel_size=8",
+            "heads",
+            "num_query_groups (4) must be a multiple of tensor_model_parallel_size (8)",
+        ),
+        (
+            "actor.pipeline_parallel_size=4",  # TP 4 x PP 4 x EP 8 on 2 x 8 ranks
+            "moe-folding",
+            "world_size (16) is not divisible by expert_tensor_model_pipeline_parallel size (32)",
+        ),
+        ("data.max_response_length=40000", "seq-len", "42048 exceeds the model's 40960 positions"),
+    ],
+)
+def test_dry_run_reports_layout_findings_before_the_missing_npu(override, rule, fragment):
+    proc = dry_run_without_shim(*NPU_30B, override)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    shown = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert shown[0].startswith("[warn] preflight:model: model.path 'Qwen/Qwen3-30B-A3B' has no config.json")
+    assert shown[1].startswith(f"[fail] preflight:{rule}: ") and fragment in shown[1]
+    assert shown[-1].startswith("[fail] device: trainer.device=npu but no usable NPU") and len(shown) == 3
+    assert proc.stderr.strip().splitlines() == [
+        "error: preflight found 1 problem(s) in the config and 1 with the device (listed above on stdout)"
+    ]
+
+
+def test_dry_run_with_only_the_device_missing_says_that_in_one_line():
+    proc = dry_run_without_shim(*NPU_30B)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: trainer.device=npu but no usable NPU")
+    assert "GSPO_DEVICE_SHIM=1" in lines[0] and "[fail]" not in proc.stdout
+    assert "[warn] preflight:model:" in proc.stdout  # the built-in spec is said to have been used
+
+
+def test_dry_run_with_an_unknown_hub_id_lists_the_builtin_ids():
+    proc = dry_run_without_shim(str(REPO / "configs/qwen3_30b_a3b_gspo.yaml"), "model.path=Qwen/Qwen9-1B")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (model,) = [line for line in proc.stdout.splitlines() if line.startswith("[fail] preflight:model:")]
+    assert "'Qwen/Qwen9-1B' has no config.json and names no model with a built-in spec" in model
+    assert "use one of: Qwen/Qwen3-0.6B, " in model and model.endswith("Qwen/Qwen2.5-32B")

@@ -82,6 +82,12 @@ def model_for(script: str, tiny: Path) -> Path:
     return SCRIPTS[script][3] or tiny
 
 
+def printed_config_path(script: str) -> str:
+    """The CONFIG an entry script names (`: "${CONFIG:=$REPO/configs/x.yaml}"`)."""
+    (match,) = re.findall(r'CONFIG:=\$REPO/(configs/[^"}]+)', (REPO / script).read_text())
+    return match
+
+
 # ----------------------------------------------------------------------------------------------- dry runs
 
 
@@ -109,6 +115,52 @@ def test_dry_run_resolves_checks_and_starts_nothing(script, tiny_model, tmp_path
     assert result.verdict == "fits", (result.train_verdict, result.rollout_verdict)
     world = {"scripts/npu/qwen3_30b_gspo.sh": 16, "scripts/gpu/qwen3_30b_gspo.sh": 16}.get(script, per_node)
     assert cfg.trainer.nnodes * per_node == world
+
+
+# script -> the built-in spec its config's model.path (/models/<name>) maps to when the weights are not here
+BUILTIN = {
+    "scripts/npu/qwen3_30b_gspo.sh": "Qwen/Qwen3-30B-A3B",
+    "scripts/gpu/qwen3_30b_gspo.sh": "Qwen/Qwen3-30B-A3B",
+    "scripts/npu/qwen25_3b_gspo.sh": "Qwen/Qwen2.5-3B",
+    "scripts/gpu/qwen25_3b_gspo.sh": "Qwen/Qwen2.5-3B",
+}
+
+
+@pytest.mark.parametrize("script", sorted(BUILTIN))
+def test_dry_run_without_weights_fits_with_the_builtin_spec(script, tmp_path):
+    """The laptop check of issue #20: no MODEL_PATH, no weights, no device; the config's own model.path."""
+    device, hardware, _, fixture = SCRIPTS[script]
+    default = config.load_config(REPO / printed_config_path(script), validate=False).model.path
+    if Path(default, "config.json").is_file():
+        pytest.skip(f"{default} exists on this machine; the built-in spec is not used")
+    proc = launch(script, "--dry-run", OUTPUT_DIR=str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hub_id = BUILTIN[script]
+    notes = [line for line in proc.stdout.splitlines() if "has no config.json" in line]
+    assert notes == [
+        f"note: model.path '{default}' has no config.json: using the built-in spec of {hub_id} (matched by its last "
+        f"path component '{Path(default).name}'; fields of https://huggingface.co/{hub_id}/blob/main/config.json)"
+    ]
+    assert "verdict: fits" in proc.stdout and "dry run complete: nothing was started" in proc.stdout
+    cfg = config.from_dict(printed_config(proc.stdout))
+    assert (cfg.model.path, cfg.trainer.device) == (default, device)
+    # the same plan as from the published config.json the fixture holds
+    per_node = cfg.trainer.devices_per_node
+    ours, published = load_spec(cfg.model.path), load_spec(str(fixture))
+    assert plan(cfg, ours, profile(hardware, per_node)).as_dict() | {"model": "", "spec_note": ""} == plan(
+        cfg, published, profile(hardware, per_node)
+    ).as_dict() | {"model": "", "spec_note": ""}
+
+
+def test_dry_run_with_a_missing_model_path_says_a_real_run_needs_the_weights(tmp_path):
+    missing = tmp_path / "qwen3-30b-a3b"  # lower-case, as some download tools name it
+    proc = launch("scripts/npu/qwen3_30b_gspo.sh", "--dry-run", MODEL_PATH=str(missing), OUTPUT_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "using the built-in spec of Qwen/Qwen3-30B-A3B (matched by its last path component 'qwen3-30b-a3b'" in (
+        proc.stdout
+    )
+    assert f"# note: a real run needs MODEL_PATH={missing} (no config.json)" in proc.stdout
+    assert "verdict: fits" in proc.stdout
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,23 @@ def check_mc2(cfg: Config) -> None:
         )
 
 
+def check_in_process_rollout(cfg: Config) -> None:
+    """vLLM with rollout TP > 1 runs in the training process (external launcher), under MindSpeed's process-wide
+    patches, which make ``torch.compile`` a pass-through: ``rollout.enforce_eager: false`` (ACL graphs) would
+    silently run eager there, so it is refused. (With TP = 1 vLLM runs in processes it spawns, which never import
+    MindSpeed.) MindSpeed's ``Tensor.view`` patch views a *copy* of a non-contiguous tensor: our weight sync into
+    vLLM writes through indexing, ``narrow`` and ``copy_`` only (vLLM 0.11 ``FusedMoE.weight_loader`` and the
+    linear loaders), not through ``view``, so it is unaffected; vllm-ascend's forward under that patch has not
+    been audited (no NPU here)."""
+    r = cfg.rollout
+    if r.engine == "vllm" and r.tensor_parallel_size > 1 and r.enforce_eager is False:
+        raise ConfigError(
+            "config key 'rollout.enforce_eager' is false, but with actor.engine=megatron on NPU and "
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} vLLM runs in the training process, where "
+            "MindSpeed turns torch.compile into a pass-through (no ACL graphs); set rollout.enforce_eager: null"
+        )
+
+
 def mindspeed_args(cfg: Config, *, moe: bool) -> dict[str, Any]:
     """The MindSpeed argument values our engine runs with for ``cfg`` (``moe``: the model has experts).
 

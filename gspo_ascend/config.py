@@ -85,7 +85,7 @@ class ActorConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     use_remove_padding: bool = True  # packed (padding-free) forward passes; False = right-padded batches
     offload: bool = False  # params/grads/optimizer to host between phases when colocated with rollout
-    use_mc2: bool = False  # Ascend MC2 fused matmul+collective (MindSpeed --use-ascend-mc2): TP 2/4/8 + SP, dense
+    use_mc2: bool = False  # Ascend MC2 fused matmul+collective (MindSpeed --use-ascend-mc2): TP 2/4/8 + SP
 
 
 @dataclass

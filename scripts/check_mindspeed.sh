@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the real MindSpeed (Ascend/MindSpeed branch 2.2.0_core_r0.12.1, the MindSpeed of verl's Atlas 800T A2 stack)
-# on CPU under our device shim, in a separate venv .venv-mindspeed/ (issue #13). Not part of CI yet: the venv takes
-# 5.9 GB (torch 2.7.1 from PyPI is a CUDA build with its nvidia-* libraries; PyTorch's CPU index is not reachable
-# from every machine); built in 100-150 s with a fast link, tests/mindspeed/ then runs in ~1 min on 2 cores.
+# on CPU under our device shim, in a separate venv .venv-mindspeed/ (issue #13). .ci/run runs it after the README's
+# test command. The venv takes 5.9 GB (torch 2.7.1 from PyPI is a CUDA build with its nvidia-* libraries;
+# PyTorch's CPU index is not reachable from every machine): built in 100-150 s with a fast link, plus ~80 s for the
+# tiny models once; tests/mindspeed/ then runs in ~75 s on 2 cores.
 #   bash scripts/check_mindspeed.sh                  build .venv-mindspeed once (reused later), run tests/mindspeed/
 #   bash scripts/check_mindspeed.sh --rebuild        delete .venv-mindspeed and build it again
 #   bash scripts/check_mindspeed.sh [--] FILE...     run these test files (or node ids) instead of tests/mindspeed/

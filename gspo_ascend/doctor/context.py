@@ -32,6 +32,7 @@ PACKAGES = (
     "einops",
     "ray",
     "math-verify",
+    "numpy",
 )
 # Keys a --versions file may set besides packages: they stand in for what is read from the host.
 PLANNED_EXTRAS = ("python", "cann")

@@ -175,6 +175,8 @@ REQUIREMENTS = (
         ("npu",),
         "vllm-ascend 0.11.0rc3 / 0.11.0 declare transformers<=4.57.1",
     ),
+    # METADATA of every vllm_ascend 0.11.0rc0 … 0.11.0 wheel: Requires-Dist numpy<2.0.0
+    Requirement("vllm-ascend", ">=0.11.0rc0,<=0.11.0", "numpy", "<2", ("npu",), "vllm-ascend 0.11 declares numpy<2"),
 )
 
 

@@ -112,7 +112,8 @@ def mindspeed_args(cfg: Config, *, moe: bool) -> dict[str, Any]:
         "use_flash_attn": True,
         "use_fused_rmsnorm": True,
         "use_fused_rotary_pos_emb": True,
-        "use_fused_swiglu": True,
+        # no "use_fused_swiglu": in 2.2.0 only the legacy arguments.py reads it; fused SwiGLU comes from the
+        # always-on swiglu feature through megatron's bias_activation_fusion (the engine sets it)
         "moe_grouped_gemm": bool(moe),
         "moe_permute_fusion": False,  # not asked for (torch_npu 2.7.1 has its routing-map permute ops; the shim not)
         "use_ascend_mc2": bool(a.use_mc2),

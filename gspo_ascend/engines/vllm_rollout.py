@@ -68,6 +68,10 @@ every TP size and moves weights with its own transport; here TP = 1 keeps vLLM's
 core + workers, which the CPU build needs for its OpenMP binding), only TP > 1 goes in-process, and one weight
 path, layerwise reload through named worker methods, serves both layouts on CPU, GPU and NPU, so CI exercises the
 code the cluster runs.
+
+One file of ~810 lines: the engine, the worker extension that runs inside vLLM's workers, and the environment and
+TP plumbing share one contract with vLLM (the extension is named by this module's path in ``worker_extension_cls``);
+the vllm-ascend repairs live in ``gspo_ascend.patches.vllm_ascend``.
 """
 
 from __future__ import annotations
@@ -743,8 +747,11 @@ def _keep_caller_process_group() -> bool:
 
 def _raw_differs(temperature: float, top_p: float, top_k: int) -> list[str]:
     """The sampling settings under which raw log-probs (``log_softmax(logits)``) differ from processed ones
-    (after temperature and top-k / top-p), as config keys. Greedy (T = 0) is scored at T = 1 either way."""
-    keys = ["rollout.temperature"] if temperature not in (0.0, 1.0) else []
+    (after temperature and top-k / top-p), as config keys. Greedy (T = 0) is scored at T = 1 without truncation
+    either way (vLLM 0.11 ``v1/sample/sampler.py``: an all-greedy batch returns ``compute_logprobs(logits)``)."""
+    if temperature == 0.0:
+        return []
+    keys = ["rollout.temperature"] if temperature != 1.0 else []
     keys += ["rollout.top_p"] if top_p < 1 else []
     return keys + (["rollout.top_k"] if top_k not in (-1, 0) else [])
 

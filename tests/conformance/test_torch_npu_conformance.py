@@ -241,18 +241,45 @@ def test_the_limits_the_shim_enforces_are_in_the_2_7_1_op_docs(op, facts):
         assert fact in doc, f"torch-npu 2.7.1's doc of {op} no longer states {fact!r}; re-derive the shim's limit"
 
 
-def test_shim_device_module_is_a_subset_of_torch_npu_npu():
-    """Each torch.npu function the shim provides is one torch_npu 2.7.1 exports (torch_npu/npu/__init__.py)."""
+def _public_names(relpath: str) -> set[str]:
+    """The names ``from torch_npu.npu.<module> import *`` binds: its ``__all__``, else its public top-level names."""
+    tree = ast.parse(upstream_file("torch-npu", relpath).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return {elt.value for elt in node.value.elts}
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return {n for n in names if not n.startswith("_")}
+
+
+def _torch_npu_npu_names() -> set[str]:
+    """What ``torch_npu.npu`` binds in 2.7.1: its ``__all__``, its explicit relative imports and its star imports
+    (``from ._backends import *`` brings ``get_soc_version``: ``_backends`` has no ``__all__``)."""
     tree = ast.parse(upstream_file("torch-npu", "torch_npu/npu/__init__.py").read_text())
-    exported = next(
-        {elt.value for elt in node.value.elts}
-        for node in tree.body
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets)
-    )
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            names |= {elt.value for elt in node.value.elts}
+        elif isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            if any(alias.name == "*" for alias in node.names):
+                names |= _public_names(f"torch_npu/npu/{node.module.replace('.', '/')}.py")
+            else:
+                names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def test_shim_device_module_is_a_subset_of_torch_npu_npu():
+    """Each torch.npu function the shim provides is one torch_npu 2.7.1's ``torch_npu.npu`` binds."""
+    exported = _torch_npu_npu_names()
+    assert {"get_soc_version", "Event", "device_count"} <= exported  # star import, explicit import, __all__
     device = npu_module.build_device_module()
     provided = {name for name in dir(device) if not name.startswith("_")}
     extra = sorted(provided - exported - {"streams"})
-    # torch_npu.npu.streams is a submodule (not in __all__); it must exist in the wheel with what the shim gives it
+    assert not extra, f"shim's torch.npu has {extra}, which torch_npu 2.7.1's torch_npu.npu does not bind"
+    # torch_npu.npu.streams is a submodule; it must exist in the wheel with what the shim gives it
     streams = upstream_file("torch-npu", "torch_npu/npu/streams.py").read_text()
     assert all(f"class {name}(" in streams for name in dir(device.streams) if not name.startswith("_"))
-    assert not extra, f"shim's torch.npu has {extra}, which torch_npu 2.7.1's torch_npu.npu does not export"

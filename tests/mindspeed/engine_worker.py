@@ -91,7 +91,7 @@ def describe(engine) -> dict:
 
     model = mb.unwrap(engine.models[0])
     layer = model.decoder.layers[0]
-    keys = ("use_flash_attn", "use_fused_rmsnorm", "use_fused_rotary_pos_emb", "use_fused_swiglu", "moe_grouped_gemm",
+    keys = ("use_flash_attn", "use_fused_rmsnorm", "use_fused_rotary_pos_emb", "moe_grouped_gemm",
             "use_ascend_mc2", "bias_activation_fusion", "context_parallel_algo", "sparse_mode")  # fmt: skip
     inner = [type(sub.optimizer).__module__ + "." + type(sub.optimizer).__name__ for sub in engine._sub_optimizers()]
     targets = {t for registered in mindspeed_setup.registered_features().values() for t in registered}

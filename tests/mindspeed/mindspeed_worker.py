@@ -39,7 +39,7 @@ def features(kind: str) -> dict[str, Any]:
     cfg, moe = _config(kind)
     registered = ms.apply(ms.mindspeed_args(cfg, moe=moe))
     args = ms.runtime_args()
-    keys = ("use_flash_attn", "use_fused_rmsnorm", "use_fused_rotary_pos_emb", "use_fused_swiglu",
+    keys = ("use_flash_attn", "use_fused_rmsnorm", "use_fused_rotary_pos_emb",
             "moe_grouped_gemm", "use_ascend_mc2", "context_parallel_size", "context_parallel_algo")  # fmt: skip
     from megatron.core.transformer import TransformerConfig, dot_product_attention
 

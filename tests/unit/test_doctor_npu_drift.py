@@ -67,9 +67,12 @@ def test_requirements_npu_satisfy_the_vllm_ascend_wheel():
     pins = installable_pins(REQUIREMENTS_NPU)
     for name, spec in VLLM_ASCEND_0_11_0_REQUIRES.items():
         assert name in pins and pins[name] in SpecifierSet(spec), (name, pins.get(name), spec)
-    (conflict,) = packages.check_requirements({"vllm-ascend": "0.11.0", "transformers": "4.57.6"}, "npu")
+    (conflict,) = packages.check_requirements(
+        {"vllm-ascend": "0.11.0", "transformers": "4.57.6", "numpy": "1.26.4"}, "npu"
+    )
     assert conflict.name == "requires-transformers" and conflict.status == "fail" and "<=4.57.1" in conflict.finding
-    assert packages.check_requirements({"vllm-ascend": "0.11.0rc1", "transformers": "4.57.6"}, "npu") == []
+    rc1 = {"vllm-ascend": "0.11.0rc1", "transformers": "4.57.6", "numpy": "1.26.4"}
+    assert packages.check_requirements(rc1, "npu") == []
     assert packages.check_known_bad({"transformers": pins["transformers"]}, "npu") == []
     assert not fa2_needs_flash_attn_package(pins["transformers"])
 
@@ -95,7 +98,8 @@ def test_unlisted_torch_npu_post_builds_find_their_cann():
     assert cann_for_torch_npu("2.7.1.post6") == "9.0.0"
     assert cann_for_torch_npu("2.7.1.post11") == "9.1.0"
     assert cann_for_torch_npu("2.7.1.post4") == "9.0.0" and cann_for_torch_npu("2.7.1") == "8.3.RC1"
-    assert cann_for_torch_npu("2.10.0") == "9.1.0"  # no 2.10 build listed: inside 9.1.0's 2.7.1.post8 … 2.12.0
+    # no 2.10 build listed: unknown (a range row would say 9.1.0, vllm-ascend 0.20's row pairs 2.10.0 with 9.0.0)
+    assert cann_for_torch_npu("2.10.0") is None
     assert cann_for_torch_npu("2.7.1.dev20250724") is None and cann_for_torch_npu("2.13.0") is None
     checks = packages.check_torch_npu_pair({"torch-npu": "2.7.1.post11", "torch": "2.7.1", "cann": "9.1.0"})
     assert [(c.name, c.status) for c in checks] == [("compat-cann", "ok")]
@@ -160,3 +164,12 @@ def test_verl_aggregation_claims_name_the_releases():
         for claim in claims:
             assert "0.9.0" in claim, f"{name}: claim not bounded to verl <= 0.9.0: {claim}"
         assert re.search(r"0\.9\.1 honours|loss_agg_mode` since verl 0\.9\.1", flat), name
+
+
+# vllm-ascend 0.11.0rc0 … 0.11.0 declare numpy<2.0.0 (every wheel's METADATA); numpy 2 beside it is a failure.
+def test_vllm_ascend_needs_numpy_1():
+    (numpy2,) = packages.check_requirements({"vllm-ascend": "0.11.0rc1", "numpy": "2.3.5"}, "npu")
+    assert numpy2.status == "fail" and "numpy <2" in numpy2.finding
+    assert (
+        packages.check_requirements({"vllm-ascend": "0.11.0", "numpy": "1.26.4", "transformers": "4.57.1"}, "npu") == []
+    )

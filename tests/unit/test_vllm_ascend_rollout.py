@@ -282,3 +282,13 @@ def test_late_task_queue_enable_is_reported(monkeypatch, caplog):
         _warn_late_process_env({"TASK_QUEUE_ENABLE": "2"}, {"TASK_QUEUE_ENABLE": "2"})
         _warn_late_process_env({}, {"TASK_QUEUE_ENABLE": "2"})  # the process started with it: nothing to say
     assert len(caplog.records) == 1 and "TASK_QUEUE_ENABLE=2 set after torch_npu started" in caplog.text
+
+
+def test_raw_and_processed_differ_only_where_sampling_transforms_the_logits():
+    from gspo_ascend.engines.vllm_rollout import _raw_differs
+
+    assert _raw_differs(1.0, 1.0, -1) == []
+    assert _raw_differs(0.7, 1.0, -1) == ["rollout.temperature"]
+    assert _raw_differs(1.0, 0.9, 5) == ["rollout.top_p", "rollout.top_k"]
+    # greedy: vLLM 0.11 scores an all-greedy batch on the raw logits, truncation or not (v1/sample/sampler.py)
+    assert _raw_differs(0.0, 0.9, 5) == []

@@ -373,6 +373,10 @@ def get_device_name(device: Any = None) -> str:
     return DEVICE_NAME
 
 
+def get_soc_version() -> int:
+    return SOC_VERSION
+
+
 def get_device_properties(device: Any = None) -> types.SimpleNamespace:
     """Name and total memory (the host's) of the emulated device."""
     return types.SimpleNamespace(name=DEVICE_NAME, total_memory=mem_get_info()[1], soc_version=SOC_VERSION)
@@ -398,15 +402,15 @@ def set_autocast_dtype(dtype: torch.dtype) -> None:
     _amp["dtype"] = dtype
 
 
-# Only names torch_npu 2.7.1's torch_npu.npu exports (its __all__; tests/conformance checks it against the wheel).
-# get_soc_version is not one of them in 2.7.1 (it lives in torch_npu.npu.utils there).
+# Only names torch_npu 2.7.1's torch_npu.npu binds (its __all__ and imports, star imports included:
+# get_soc_version comes from `from ._backends import *`; tests/conformance checks it against the wheel).
 _DEVICE_API = (
     "is_available", "is_initialized", "init", "device_count", "set_device", "current_device", "device",
     "synchronize", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache", "memory_stats", "mem_get_info",
     "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "get_rng_state_all",
     "set_rng_state", "set_rng_state_all", "Stream", "Event", "current_stream", "default_stream", "set_stream",
-    "stream", "is_bf16_supported", "get_device_name", "get_device_properties",
+    "stream", "is_bf16_supported", "get_device_name", "get_soc_version", "get_device_properties",
     "get_amp_supported_dtype", "is_autocast_enabled", "set_autocast_enabled", "get_autocast_dtype",
     "set_autocast_dtype",
 )  # fmt: skip

@@ -84,6 +84,9 @@ class FSDPEngine:
         self.master_dtype = master_dtype
         self.compute_dtype = master_dtype if cfg.model.dtype == "float32" else _DTYPES[cfg.model.dtype]
         self.model, self.tied_names = self._build_model(model_path, trainable=True)
+        # FSDP averages gradients over the DP ranks and the loss is normalised globally, so the loss is scaled by
+        # the DP size to undo the average; where the reduction sums instead, it is not (_dp_reduce_averages)
+        self._loss_scale = self.world_size if self._dp_reduce_averages() else 1
         self.ref_model = self._build_model(model_path, trainable=False)[0] if cfg.algorithm.kl_coef > 0 else None
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         a = cfg.actor
@@ -135,6 +138,21 @@ class FSDPEngine:
             model.requires_grad_(False)
             model.eval()
         return model, tied
+
+    def _dp_reduce_averages(self) -> bool:
+        """Whether FSDP's gradient reduce-scatter averages over the DP ranks. NCCL / HCCL do; on gloo FSDP sums and
+        divides itself where torch has ``set_force_sum_reduction_for_comms`` (2.8+, set in ``_build_model``). Older
+        torch (the NPU pin 2.7.1, on CPU) asks gloo for ReduceOp.AVG, which gloo answers with the sum: DP2 gradients
+        came out doubled. A one-element probe with the op FSDP uses tells which, instead of a version table."""
+        if self.world_size == 1 or self.backend.comm_backend != "gloo":
+            return True
+        if hasattr(self.model, "set_force_sum_reduction_for_comms"):
+            return True
+        contributions = torch.full((self.world_size,), float(self.rank + 1))
+        out = torch.empty(1)
+        dist.reduce_scatter_tensor(out, contributions, op=dist.ReduceOp.AVG)
+        mean = (self.world_size + 1) / 2  # of 1 .. world; the sum is world times that
+        return abs(out.item() - mean) < 1e-6
 
     @contextlib.contextmanager
     def _resident(self):
@@ -235,8 +253,7 @@ class FSDPEngine:
                 continue
             loss, metrics = self._micro_loss(micros[i], temperature, global_tokens, global_seqs, norm_length)
             bad |= ~torch.isfinite(loss.detach())
-            # FSDP averages gradients over the DP ranks; the loss is normalised globally, so undo the average
-            (loss * self.world_size).backward()
+            (loss * self._loss_scale).backward()  # see __init__: undo FSDP's DP average
             record.add(metrics)
         record.skipped = bool(bad)
         return record

@@ -59,7 +59,7 @@ MindSpeed's process-wide patches (its adaptor, for every module of the process; 
 tensor contiguous (a view of a copy: writes through it are lost), ``Tensor.type`` / ``Parameter.type`` report
 "cuda" for "npu", ``all_reduce`` of float64 goes through float32, ``_all_gather_base`` / ``_reduce_scatter_base``
 become their tensor versions, ``importlib.metadata.version("transformer-engine")`` answers 2.2.0,
-``torch.cuda.get_device_capability`` is replaced, and stand-in modules (apex, amp_C, flash_attn,
+CUDA's device-capability query is replaced, and stand-in modules (apex, amp_C, flash_attn,
 transformer_engine, ...) appear in ``sys.modules``. MindSpeed's float64 all-reduce bypass reduces a float32 *copy*
 and drops it, so the caller's tensor keeps its local value: every float64 all-reduce of the process (ours: token
 counts, micro-batch counts, the skip flag, metrics) would silently do nothing; :func:`.mindspeed_setup.apply`

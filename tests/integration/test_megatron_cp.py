@@ -23,7 +23,12 @@ import pytest
 import torch
 
 from tests.integration.launch import MEGATRON_TESTS, launch_ranks, rank_results
-from tests.integration.test_megatron_engine import TOL, _hf_log_probs, _hf_model, _metric_close
+from tests.integration.test_megatron_engine import (
+    _hf_log_probs,
+    _hf_model,
+    assert_rank_log_probs,
+    assert_update_matches,
+)
 
 pytestmark = MEGATRON_TESTS
 
@@ -56,14 +61,7 @@ def test_cp2_log_probs_match_hugging_face(run, batch, case, kind):
     reference = _hf_log_probs(_hf_model(kind, run[0]), batch, TEMPERATURE)
     ranks = run[1][case]
     assert sorted(ranks) == [0, 1]
-    for result in ranks.values():
-        start, stop = result["rows"]
-        ours = result["log_probs"]
-        assert ours.shape == (stop - start, batch.response_ids.shape[1]) and ours.dtype == torch.float32
-        assert (ours - reference[start:stop]).abs().max() <= TOL
-        assert torch.all(ours[batch.response_mask[start:stop] == 0] == 0)
-        assert ours.abs().max() > 0.1  # real log-probs, not a vacuous match
-    assert sorted(r["rows"][0] for r in ranks.values()) == [0, len(batch) // 2]
+    assert_rank_log_probs(ranks, reference, batch)
 
 
 @pytest.mark.parametrize(("case", "reference"), [("dense_cp2", "fsdp_cp_ref"), ("dense_cp2_kl", "fsdp_cp_kl")])
@@ -72,17 +70,7 @@ def test_cp2_gspo_update_matches_fsdp(run, case, reference):
     ref = results[reference][0]
     theirs_w, theirs_m = ref["weights"], ref["metrics"]
     assert sorted(results[case]) == [0, 1]
-    for rank, result in results[case].items():
-        ours_m = result["metrics"]
-        assert ours_m["actor/nan_steps_skipped"] == 0 and ours_m["actor/grad_norm"] > 1.0
-        assert abs(ours_m["actor/pg_loss"] - theirs_m["actor/pg_loss"]) <= TOL
-        differing = {k: (ours_m[k], theirs_m[k]) for k in theirs_m if not _metric_close(ours_m[k], theirs_m[k])}
-        differing.pop("actor/micro_batches", None)  # fsdp splits the batch over 2 replicas, CP=2 has one
-        assert not differing, differing
-        if rank == 0:
-            ours_w = result["weights"]
-            assert {n: t.shape for n, t in ours_w.items()} == {n: t.shape for n, t in theirs_w.items()}
-            assert max(float((ours_w[n] - theirs_w[n]).abs().max()) for n in theirs_w) <= TOL
+    assert_update_matches(results[case], ref)
     initial = _hf_model("dense", out).state_dict()
     assert max(float((theirs_w[n] - initial[n]).abs().max()) for n in initial) > 1e-5  # the update moved them
     if "kl" in case:

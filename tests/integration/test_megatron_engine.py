@@ -101,8 +101,12 @@ def hf_log_probs(run, batch):
 
 @pytest.mark.parametrize("case", ["dense_tp1", "moe_tp1", "dense_tp2", "dense_pp2", "dense_dp2", "moe_ep2"])
 def test_log_probs_match_hugging_face(run, hf_log_probs, batch, case):
-    ranks = run[1][case]
-    reference = hf_log_probs[MODEL_OF.get(case, "dense")]
+    assert_rank_log_probs(run[1][case], hf_log_probs[MODEL_OF.get(case, "dense")], batch)
+
+
+def assert_rank_log_probs(ranks: dict, reference: torch.Tensor, batch) -> None:
+    """Each rank's log-probs == the reference on the rows it holds (TOL), exactly 0 at padding and not vacuous;
+    the rows are split evenly over the ranks. Shared by the megatron, CP and MindSpeed engine tests."""
     for result in ranks.values():
         start, stop = result["rows"]
         ours = result["log_probs"]
@@ -115,6 +119,23 @@ def test_log_probs_match_hugging_face(run, hf_log_probs, batch, case):
 
 def _metric_close(a: float, b: float) -> bool:
     return abs(a - b) <= TOL * max(1.0, abs(b))
+
+
+def assert_update_matches(ranks: dict, reference: dict) -> None:
+    """Every rank's update metrics == the reference run's (TOL, relative above 1); rank 0's weights == its
+    weights. ``actor/micro_batches`` is left out: fsdp counts per rank, megatron counts passes."""
+    theirs_w, theirs_m = reference["weights"], reference["metrics"]
+    for rank, result in ranks.items():
+        ours_m = result["metrics"]
+        assert ours_m["actor/nan_steps_skipped"] == 0 and ours_m["actor/grad_norm"] > 1.0
+        assert abs(ours_m["actor/pg_loss"] - theirs_m["actor/pg_loss"]) <= TOL
+        differing = {k: (ours_m[k], theirs_m[k]) for k in theirs_m if not _metric_close(ours_m[k], theirs_m[k])}
+        differing.pop("actor/micro_batches", None)
+        assert not differing, differing
+        if rank == 0:
+            ours_w = result["weights"]
+            assert {n: t.shape for n, t in ours_w.items()} == {n: t.shape for n, t in theirs_w.items()}
+            assert max(float((ours_w[n] - theirs_w[n]).abs().max()) for n in theirs_w) <= TOL
 
 
 @pytest.mark.parametrize(
@@ -130,18 +151,8 @@ def _metric_close(a: float, b: float) -> bool:
 def test_gspo_update_matches_fsdp(run, case, reference):
     out, results = run
     ref = results[reference][0]
-    theirs_w, theirs_m = ref["weights"], ref["metrics"]
-    for rank, result in results[case].items():
-        ours_m = result["metrics"]
-        assert ours_m["actor/nan_steps_skipped"] == 0 and ours_m["actor/grad_norm"] > 1.0
-        assert abs(ours_m["actor/pg_loss"] - theirs_m["actor/pg_loss"]) <= TOL
-        differing = {k: (ours_m[k], theirs_m[k]) for k in theirs_m if not _metric_close(ours_m[k], theirs_m[k])}
-        differing.pop("actor/micro_batches", None)  # fsdp counts per rank; both count passes, equal here anyway
-        assert not differing, differing
-        if rank == 0:
-            ours_w = result["weights"]
-            assert {n: t.shape for n, t in ours_w.items()} == {n: t.shape for n, t in theirs_w.items()}
-            assert max(float((ours_w[n] - theirs_w[n]).abs().max()) for n in theirs_w) <= TOL
+    theirs_w = ref["weights"]
+    assert_update_matches(results[case], ref)
     initial = _hf_model(MODEL_OF.get(case, "dense"), out).state_dict()
     moved = max(float((theirs_w[n] - initial[n]).abs().max()) for n in initial)
     assert moved > 1e-5  # the update really moved the weights (two Adam steps at lr 5e-6 then 1e-5)

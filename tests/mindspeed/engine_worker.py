@@ -24,7 +24,6 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -56,28 +55,10 @@ _calls: collections.Counter = collections.Counter()
 
 
 def count_fused_ops(engine) -> dict:
-    """From here on, count every ``torch_npu.npu_*`` call and every call of the shim's references for MindSpeed's
-    own compiled ops (what MindSpeed's patched megatron reaches)."""
-    import torch_npu  # the shim's stand-in
+    """From here on, count the fused-op calls of this engine (``mindspeed_worker.count_fused_calls``)."""
+    from tests.mindspeed.mindspeed_worker import count_fused_calls
 
-    from gspo_ascend.device.shim import mindspeed_ops
-
-    def counting(name: str, fn: Any) -> Any:
-        if getattr(fn, "_counted", False):
-            return fn
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            _calls[name] += 1
-            return fn(*args, **kwargs)
-
-        call._counted = True
-        return call
-
-    for name in [n for n in dir(torch_npu) if n.startswith("npu_")]:
-        setattr(torch_npu, name, counting(name, getattr(torch_npu, name)))
-    for module in mindspeed_ops.OP_MODULES.values():
-        for name in [n for n in vars(module) if not n.startswith("_")]:
-            setattr(module, name, counting(f"mindspeed.{name}", getattr(module, name)))
+    count_fused_calls(_calls)
     _calls.clear()
     return {}
 

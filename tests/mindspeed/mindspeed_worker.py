@@ -9,6 +9,7 @@ retried in the same process.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -69,32 +70,23 @@ def adaptor() -> dict[str, Any]:
     }
 
 
-def forward(kind: str) -> dict[str, Any]:
-    """One forward and backward of megatron-core's GPTModel (Qwen3-like, 2 layers) with MindSpeed's patches (or,
-    for kind "plain", without MindSpeed); returns the logits, the counted fused-op calls and the grad norm."""
-    import collections
-
-    import torch
-    import torch.nn.functional as F
+def count_fused_calls(calls: collections.Counter) -> None:
+    """From here on, count in ``calls`` every ``torch_npu.npu_*`` call and every call of the shim's references for
+    MindSpeed's own compiled ops (what MindSpeed's patched megatron reaches). Idempotent: a counted op is not
+    wrapped twice."""
+    import torch_npu  # the shim's stand-in
 
     from gspo_ascend.device.shim import mindspeed_ops
 
-    calls: collections.Counter = collections.Counter()
-    if kind != "plain":
-        features(kind)
-    import torch.distributed as dist
-    import torch_npu  # the shim's stand-in
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-
     def counting(name: str, fn: Any) -> Any:
+        if getattr(fn, "_counted", False):
+            return fn
+
         def call(*args: Any, **kwargs: Any) -> Any:
             calls[name] += 1
             return fn(*args, **kwargs)
 
+        call._counted = True
         return call
 
     for name in [n for n in dir(torch_npu) if n.startswith("npu_")]:
@@ -102,6 +94,25 @@ def forward(kind: str) -> dict[str, Any]:
     for module in mindspeed_ops.OP_MODULES.values():
         for name in [n for n in vars(module) if not n.startswith("_")]:
             setattr(module, name, counting(f"mindspeed.{name}", getattr(module, name)))
+
+
+def forward(kind: str) -> dict[str, Any]:
+    """One forward and backward of megatron-core's GPTModel (Qwen3-like, 2 layers) with MindSpeed's patches (or,
+    for kind "plain", without MindSpeed); returns the logits, the counted fused-op calls and the grad norm."""
+    import torch
+    import torch.nn.functional as F
+
+    calls: collections.Counter = collections.Counter()
+    if kind != "plain":
+        features(kind)
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    count_fused_calls(calls)
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)

@@ -121,18 +121,9 @@ def _old(run, case):
 
 @pytest.mark.parametrize("case", ["ms_dense_tp1", "ms_moe_tp1", "ms_dense_tp2", "ms_moe_ep2", "ms_dense_cp2"])
 def test_log_probs_match_hugging_face(run, hf_log_probs, batch, case):
-    from tests.integration.test_megatron_engine import TOL
+    from tests.integration.test_megatron_engine import assert_rank_log_probs
 
-    ranks = run[1][case]
-    reference = hf_log_probs[MODEL_OF.get(case, "dense")]
-    for result in ranks.values():
-        start, stop = result["rows"]
-        ours = result["log_probs"]
-        assert ours.shape == (stop - start, batch.response_ids.shape[1]) and ours.dtype == torch.float32
-        assert (ours - reference[start:stop]).abs().max() <= TOL
-        assert torch.all(ours[batch.response_mask[start:stop] == 0] == 0)
-        assert ours.abs().max() > 0.1  # real log-probs, not a vacuous match
-    assert sorted(r["rows"][0] for r in ranks.values()) == [i * len(batch) // len(ranks) for i in range(len(ranks))]
+    assert_rank_log_probs(run[1][case], hf_log_probs[MODEL_OF.get(case, "dense")], batch)
 
 
 @pytest.mark.parametrize(
@@ -146,23 +137,15 @@ def test_log_probs_match_hugging_face(run, hf_log_probs, batch, case):
 )
 def test_gspo_update_matches_fsdp(run, case, reference):
     """MindSpeed turns megatron's Adam into its AdamW (``torch._fused_adamw_``); the step is still fsdp's."""
-    from tests.integration.test_megatron_engine import TOL, _hf_model, _metric_close
+    from tests.integration.test_megatron_engine import _hf_model, assert_update_matches
 
     out, results = run
     ref = results[reference][0]
-    theirs_w, theirs_m = ref["weights"], ref["metrics"]
+    theirs_w = ref["weights"]
     assert sorted(results[case]) == list(range(len(results[case])))
-    for rank, result in results[case].items():
-        ours_m = result["metrics"]  # every rank: MindSpeed's float64 all-reduce must not leave them local
-        assert ours_m["actor/nan_steps_skipped"] == 0 and ours_m["actor/grad_norm"] > 1.0
-        assert abs(ours_m["actor/pg_loss"] - theirs_m["actor/pg_loss"]) <= TOL
-        differing = {k: (ours_m[k], theirs_m[k]) for k in theirs_m if not _metric_close(ours_m[k], theirs_m[k])}
-        differing.pop("actor/micro_batches", None)  # per-rank pass counts
-        assert not differing, differing
-        if rank == 0:
-            ours_w = result["weights"]
-            assert {n: t.shape for n, t in ours_w.items()} == {n: t.shape for n, t in theirs_w.items()}
-            assert max(float((ours_w[n] - theirs_w[n]).abs().max()) for n in theirs_w) <= TOL
+    # every rank's metrics: MindSpeed's float64 all-reduce must not leave them local
+    assert_update_matches(results[case], ref)
+    for result in results[case].values():
         assert set(result["optimizer"]) == {"mindspeed.core.optimizer.adamw.AdamW"}  # MoE: dense + expert ones
     initial = _hf_model(MODEL_OF.get(case, "dense"), out).state_dict()
     assert max(float((theirs_w[n] - initial[n]).abs().max()) for n in initial) > 1e-5  # the update moved them

@@ -315,20 +315,6 @@ def rule_mc2(cfg, spec: ModelSpec | None) -> Iterable[Check]:
     )
 
 
-def rule_mindspeed_rollout(cfg, spec: ModelSpec | None) -> Iterable[Check]:
-    """The megatron engine's MindSpeed check, up front: in-process vLLM (rollout TP > 1) gets no ACL graphs."""
-    if cfg.actor.engine != "megatron" or cfg.trainer.device != "npu":
-        return
-    from ..engines.mindspeed_setup import check_in_process_rollout  # config-only: imports no MindSpeed
-
-    try:
-        check_in_process_rollout(cfg)
-        problem = None
-    except UserError as exc:
-        problem = str(exc)
-    yield _check("mindspeed-rollout", problem, "vLLM runs eager beside MindSpeed", "set rollout.enforce_eager: null")
-
-
 Rule = Callable[[object, ModelSpec | None], Iterable[Check]]
 RULES: tuple[Rule, ...] = (
     rule_world,
@@ -342,7 +328,6 @@ RULES: tuple[Rule, ...] = (
     rule_micro_batch,
     rule_seq_len,
     rule_mc2,
-    rule_mindspeed_rollout,
 )
 
 

@@ -66,11 +66,9 @@ counts, micro-batch counts, the skip flag, metrics) would silently do nothing; :
 wraps it to copy the result back. The vLLM rollout: with ``rollout.tensor_parallel_size`` 1, vLLM 0.11 runs its
 engine core and worker in processes it *spawns* (in a Ray actor it forces spawn: ``vllm/utils._maybe_force_spawn``),
 which never import MindSpeed, so none of this reaches them. With rollout TP > 1 (``external_launcher``) vLLM runs
-in this process, under these patches: with ``enforce_eager`` (our NPU default) graph capture is off anyway, so the
-``torch.compile`` pass-through changes nothing, and ``rollout.enforce_eager: false``, which would silently run
-eager, is refused (:func:`.mindspeed_setup.check_in_process_rollout`); the ``Tensor.view`` change alters results
-only for code that writes through a view of a non-contiguous tensor: our weight sync does not, vllm-ascend 0.11's
-forward has not been audited (not run: no NPU here).
+in this process, and the rollout engine makes each of its vLLM calls with these torch patches lifted
+(:func:`.mindspeed_setup.patches_lifted`), so vLLM / vllm-ascend meet torch as torch_npu leaves it: views alias,
+``torch.compile`` compiles (``rollout.enforce_eager: false`` means graphs there too), float64 reduces natively.
 
 One file of ~870 lines because set-up, forward, update, checkpoint and export all work on one model / optimizer /
 process-group state under megatron's call protocol; what has a concern of its own lives beside it
@@ -196,8 +194,6 @@ def _check_config(cfg: Config, backend: Backend) -> None:
             "device"
         )
     mindspeed_setup.check_mc2(cfg)
-    if mindspeed_setup.enabled(backend):
-        mindspeed_setup.check_in_process_rollout(cfg)
     if backend.torch_device_type == "cpu" and a.sequence_parallel:
         raise ConfigError(
             "config key 'actor.sequence_parallel' cannot be true on CPU: megatron's local layer spec cannot run "

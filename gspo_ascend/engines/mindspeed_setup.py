@@ -78,21 +78,63 @@ def check_mc2(cfg: Config) -> None:
         )
 
 
-def check_in_process_rollout(cfg: Config) -> None:
-    """vLLM with rollout TP > 1 runs in the training process (external launcher), under MindSpeed's process-wide
-    patches, which make ``torch.compile`` a pass-through: ``rollout.enforce_eager: false`` (ACL graphs) would
-    silently run eager there, so it is refused. (With TP = 1 vLLM runs in processes it spawns, which never import
-    MindSpeed.) MindSpeed's ``Tensor.view`` patch views a *copy* of a non-contiguous tensor: our weight sync into
-    vLLM writes through indexing, ``narrow`` and ``copy_`` only (vLLM 0.11 ``FusedMoE.weight_loader`` and the
-    linear loaders), not through ``view``, so it is unaffected; vllm-ascend's forward under that patch has not
-    been audited (no NPU here)."""
-    r = cfg.rollout
-    if r.engine == "vllm" and r.tensor_parallel_size > 1 and r.enforce_eager is False:
-        raise ConfigError(
-            "config key 'rollout.enforce_eager' is false, but with actor.engine=megatron on NPU and "
-            f"rollout.tensor_parallel_size={r.tensor_parallel_size} vLLM runs in the training process, where "
-            "MindSpeed turns torch.compile into a pass-through (no ACL graphs); set rollout.enforce_eager: null"
-        )
+# The roots of MindSpeed's patch targets that code outside megatron calls (vLLM included): torch, and the
+# standard library's importlib / math. Its other targets are megatron's own or stand-in modules it creates.
+PROCESS_WIDE_ROOTS = ("torch", "importlib", "math")
+
+
+@contextlib.contextmanager
+def patches_lifted() -> Iterator[list[str]]:
+    """Run the body with MindSpeed's process-wide patches taken off, and put them back after.
+
+    vLLM with rollout TP > 1 runs in the training process (``external_launcher``), where MindSpeed's adaptor has
+    patched torch for every module: ``Tensor.view`` of a non-contiguous tensor returns a view of a *copy* (writes
+    through it are lost: a KV-cache or weight write through such a view would silently vanish), ``torch.compile``
+    is a pass-through (no ACL graphs), ``Tensor.type`` says "cuda" for "npu", a float64 ``all_reduce`` goes
+    through float32. vllm-ascend was written against plain torch, and auditing every view of its forward is not
+    possible without an NPU; so the rollout engine runs each of its vLLM calls (build, generate, weight load,
+    sleep / wake-up) in this context instead, with torch exactly as torch_npu leaves it.
+
+    For every applied MindSpeed patch under :data:`PROCESS_WIDE_ROOTS`, every holder of the patched function (the
+    target, e.g. ``torch.Tensor``, and every module MindSpeed rebound: it rebinds each module attribute of the same
+    name that held the original) gets MindSpeed's recorded original back; on exit each holder that still has the
+    original gets the patched function again. Yields the lifted targets ([] without MindSpeed in the process, when
+    this is a no-op). Nested use lifts nothing more. Not thread-safe: the training process calls vLLM and megatron
+    from one thread, one at a time.
+    """
+    utils = sys.modules.get("mindspeed.patch_utils")
+    if utils is None:
+        yield []
+        return
+    swapped: list[tuple[Any, str, Any, Any]] = []
+    lifted: list[str] = []
+    for target, patch in utils.MindSpeedPatchesManager.patches_info.items():
+        patched, orig, name = patch.final_patch_func, patch.orig_func, patch.orig_func_name
+        if target.split(".")[0] not in PROCESS_WIDE_ROOTS or not patch.is_applied or name is None:
+            continue
+        if patched is None or patched is orig:
+            continue
+        holders = {id(h): h for h in (patch.orig_module, *list(sys.modules.values()))}  # some are unhashable
+        count = len(swapped)
+        for holder in holders.values():
+            if _attr(holder, name) is patched:
+                setattr(holder, name, orig)
+                swapped.append((holder, name, orig, patched))
+        if len(swapped) > count:
+            lifted.append(target)
+    try:
+        yield lifted
+    finally:
+        for holder, name, orig, patched in reversed(swapped):
+            if _attr(holder, name) is orig:
+                setattr(holder, name, patched)
+
+
+def _attr(holder: Any, name: str) -> Any:
+    try:
+        return vars(holder).get(name)  # own attributes only: a class's inherited method is not rebound there
+    except TypeError:  # no __dict__
+        return None
 
 
 def mindspeed_args(cfg: Config, *, moe: bool) -> dict[str, Any]:

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -419,6 +420,26 @@ def _read_hf_config(model_path: str) -> dict[str, Any]:
     return config.get("text_config", config)  # multimodal wrappers keep the LM's shape one level down
 
 
+def _lifted() -> contextlib.AbstractContextManager:
+    """MindSpeed's process-wide torch patches taken off for a vLLM call (:func:`.mindspeed_setup.patches_lifted`):
+    with rollout TP > 1 beside the megatron engine on NPU, vLLM runs in the training process, where MindSpeed has
+    patched torch for every module. A no-op without MindSpeed in the process (every other set-up)."""
+    from . import mindspeed_setup  # config-only module: imports no MindSpeed
+
+    return mindspeed_setup.patches_lifted()
+
+
+def _beside_mindspeed(method: Any) -> Any:
+    """A method of the engine that calls into vLLM, run under :func:`_lifted`."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _lifted():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class VLLMRolloutEngine:
     """RolloutEngine over ``vllm.LLM``; see the module docstring."""
 
@@ -474,6 +495,7 @@ class VLLMRolloutEngine:
                 "CPU cores: vLLM's CPU build binds one core set per TP rank"
             )
 
+    @_beside_mindspeed
     def _build_llm(self, model_path: str) -> Any:
         import vllm
         from vllm.platforms import current_platform
@@ -506,6 +528,7 @@ class VLLMRolloutEngine:
         except ValueError as exc:  # vLLM's own config validation: keep its message, name our keys
             raise ConfigError(f"vLLM refused the rollout config ({str(exc).splitlines()[0]}); see rollout.*") from exc
 
+    @_beside_mindspeed
     def _verify_logprobs_mode(self) -> str:
         """Have every worker's sampler return ``LOGPROBS_MODE`` (vllm-ascend 0.11 ignores the engine's
         ``logprobs_mode``: patches/vllm_ascend.py) and return the mode the workers report. If that is not
@@ -546,6 +569,7 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------------------- generate
 
+    @_beside_mindspeed
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SampleBatch:
         from vllm import SamplingParams as VllmSamplingParams
 
@@ -619,19 +643,24 @@ class VLLMRolloutEngine:
         """Stream HF-named full tensors to every worker (module docstring); returns the bytes sent in the engine's
         dtype. Names the model does not have raise; parameters the stream did not cover raise after the update."""
         start = time.perf_counter()
+        # only the vLLM calls beside MindSpeed: the stream itself is the train engine's code (megatron's gathers)
         if "weights" in self._asleep:  # load into resident weights; the KV cache stays asleep until wake_up
-            self.llm.wake_up(tags=["weights"])
+            with _lifted():
+                self.llm.wake_up(tags=["weights"])
             self._asleep.remove("weights")
-        self.llm.collective_rpc("gspo_begin_weight_update")
+        with _lifted():
+            self.llm.collective_rpc("gspo_begin_weight_update")
         total, count, chunks = 0, 0, 0
         try:
             for bucket in self._buckets(named_tensors):
-                self.llm.collective_rpc("gspo_load_weights", args=(_serialize(bucket),))
+                with _lifted():
+                    self.llm.collective_rpc("gspo_load_weights", args=(_serialize(bucket),))
                 total += sum(t.numel() * t.element_size() for t in bucket.values())
                 count, chunks = count + len(bucket), chunks + 1
         finally:  # also on error: finishing restores the old kernel tensors of layers that got nothing
-            missing = self.llm.collective_rpc("gspo_finish_weight_update")[0]
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            with _lifted():
+                missing = self.llm.collective_rpc("gspo_finish_weight_update")[0]
+                self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         if missing:
             raise ValueError(
                 f"update_weights left {len(missing)} vLLM parameters at their old values (e.g. {missing[:3]}); "
@@ -662,6 +691,7 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------------------- memory
 
+    @_beside_mindspeed
     def sleep(self) -> None:
         """Level 1: weights to host memory, KV cache dropped. No-op on the CPU build (vLLM has no sleep mode there)."""
         if not self.sleep_supported:
@@ -671,12 +701,14 @@ class VLLMRolloutEngine:
             self.llm.sleep(level=1)
             self._asleep = ["weights", "kv_cache"]
 
+    @_beside_mindspeed
     def wake_up(self) -> None:
         if self.sleep_supported and self._asleep:
             self.llm.wake_up(tags=list(self._asleep))
             self._asleep = []
             self.llm.reset_prefix_cache()
 
+    @_beside_mindspeed
     def close(self) -> None:
         """Stop the engine-core and worker processes now instead of at interpreter exit. In-process (rollout TP)
         this drops vLLM's TP groups, so another engine can be built here; our process group stays

@@ -87,6 +87,8 @@ def describe(engine) -> dict:
         "process_wide_targets": outside,
         "float64_all_reduce": _float64_all_reduce(engine),
         **_process_wide_behaviour(),
+        "lifted": _lifted_behaviour(),
+        "after_lift": _process_wide_behaviour(),
     }
 
 
@@ -102,6 +104,21 @@ def _process_wide_behaviour() -> dict:
         "compile_module": torch.compile.__module__,
         "compile_returns_eager_wrapper": compiled.__module__.startswith("mindspeed"),
     }
+
+
+def _lifted_behaviour() -> dict:
+    """The same observations inside ``mindspeed_setup.patches_lifted()`` (how the vLLM rollout calls vLLM beside
+    MindSpeed), plus a float64 SUM over all ranks through the plain ``all_reduce``, and the targets lifted."""
+    import torch.distributed as dist
+
+    from gspo_ascend.engines import mindspeed_setup
+
+    with mindspeed_setup.patches_lifted() as lifted:
+        seen = _process_wide_behaviour()
+        total = torch.tensor([dist.get_rank() + 1.0], dtype=torch.float64)
+        dist.all_reduce(total)
+        nested = mindspeed_setup.patches_lifted().__enter__()  # nothing left to lift
+    return {**seen, "float64_sum": float(total), "targets": sorted(lifted), "nested": nested}
 
 
 def _float64_all_reduce(engine) -> dict:

@@ -236,6 +236,24 @@ def test_process_wide_patches_are_the_documented_ones(run):
     assert result["compile_returns_eager_wrapper"]  # torch.compile is a pass-through
 
 
+def test_vllm_calls_run_with_the_process_wide_torch_patches_lifted(run):
+    """In-process vLLM (rollout TP > 1) runs each call inside ``patches_lifted``: there the torch patches are off
+    (views alias, torch.compile compiles, float64 reduces natively), and afterwards MindSpeed's are back."""
+    for rank, result in run[1]["ms_dense_tp2"].items():
+        lifted, before, after = result["lifted"], _behaviour(result), _behaviour(result["after_lift"])
+        assert lifted["view_writes_through"] and not before["view_writes_through"]
+        assert not lifted["compile_returns_eager_wrapper"] and before["compile_returns_eager_wrapper"]
+        assert lifted["compile_module"] == "torch" and before["compile_module"].startswith("mindspeed")
+        assert lifted["float64_sum"] == 3.0  # 1 + 2, through gloo's own float64 all-reduce
+        assert set(lifted["targets"]) == {t for t in PROCESS_WIDE if t.split(".")[0] in ("torch", "importlib")}
+        assert lifted["nested"] == []
+        assert after == before, rank
+
+
+def _behaviour(result: dict) -> dict:
+    return {k: result[k] for k in ("view_writes_through", "compile_module", "compile_returns_eager_wrapper")}
+
+
 def test_mc2_needs_tp_and_sequence_parallel():
     """``actor.use_mc2`` is MindSpeed's ``use_ascend_mc2``, which only acts with TP > 1 and SP: refused otherwise,
     naming the keys; with them it reaches MindSpeed's argument."""

@@ -3,7 +3,10 @@ tests/mindspeed/, through scripts/check_mindspeed.sh)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 
 from gspo_ascend.config import load_config
 from gspo_ascend.device import CPU, NPU, NPU_SHIM
@@ -15,14 +18,55 @@ def cfg(*overrides: str):
     return load_config(overrides=["actor.engine=megatron", *overrides])
 
 
-def test_in_process_vllm_refuses_acl_graphs_under_mindspeed():
-    """rollout TP > 1 runs vLLM in the training process, where MindSpeed makes torch.compile a pass-through."""
-    in_process = ("rollout.engine=vllm", "rollout.tensor_parallel_size=2", "trainer.devices_per_node=2")
-    with pytest.raises(ConfigError, match="rollout.enforce_eager"):
-        mindspeed_setup.check_in_process_rollout(cfg(*in_process, "rollout.enforce_eager=false"))
-    mindspeed_setup.check_in_process_rollout(cfg(*in_process))  # null: eager on NPU, nothing to refuse
-    # TP 1: vLLM spawns its own processes, which never import MindSpeed
-    mindspeed_setup.check_in_process_rollout(cfg("rollout.engine=vllm", "rollout.enforce_eager=false"))
+def test_patches_lifted_is_a_no_op_without_mindspeed_in_the_process():
+    """The vLLM rollout enters it around every vLLM call, on every set-up: without MindSpeed imported it lifts
+    nothing and leaves torch untouched (the real lift: tests/mindspeed/test_mindspeed_engine.py)."""
+    view = torch.Tensor.view
+    with mindspeed_setup.patches_lifted() as lifted:
+        assert lifted == [] and torch.Tensor.view is view
+
+
+def test_vllm_rollout_calls_vllm_only_with_the_patches_lifted(monkeypatch):
+    """Each engine method that calls into vLLM does so inside ``vllm_rollout._lifted``; the weight stream (the
+    train engine's code, megatron's gathers under MindSpeed) is pulled outside it. A stand-in for ``vllm.LLM``
+    records, for each call, whether the lift was active (a recording stand-in: what it checks is our wiring, not
+    vLLM)."""
+    from gspo_ascend.engines import vllm_rollout
+
+    state = {"lifted": False}
+    calls: list[tuple[str, bool]] = []
+
+    @contextlib.contextmanager
+    def lifted():
+        assert not state["lifted"]
+        state["lifted"] = True
+        try:
+            yield []
+        finally:
+            state["lifted"] = False
+
+    class RecordingLLM:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: calls.append((name, state["lifted"])) or [[]]
+
+    def stream():
+        calls.append(("stream", state["lifted"]))
+        yield "w", torch.zeros(2)
+
+    monkeypatch.setattr(vllm_rollout, "_lifted", lifted)
+    engine = object.__new__(vllm_rollout.VLLMRolloutEngine)
+    engine.llm, engine.dtype, engine._asleep, engine.sleep_supported = RecordingLLM(), torch.float32, [], True
+    engine.update_weights(stream())
+    engine.sleep()
+    engine.update_weights(stream())  # asleep: wakes the weights first
+    engine.wake_up()
+    engine.close()
+    assert ("stream", False) in calls
+    assert {name for name, active in calls if not active} == {"stream"}
+    assert [name for name, _ in calls if name != "stream"] == [
+        "collective_rpc", "collective_rpc", "collective_rpc", "reset_prefix_cache", "sleep", "wake_up",
+        "collective_rpc", "collective_rpc", "collective_rpc", "reset_prefix_cache", "wake_up", "reset_prefix_cache",
+    ]  # fmt: skip
 
 
 def test_mc2_needs_tp_and_sequence_parallel():

@@ -316,10 +316,3 @@ def test_dry_run_with_an_unknown_hub_id_lists_the_builtin_ids():
     (model,) = [line for line in proc.stdout.splitlines() if line.startswith("[fail] preflight:model:")]
     assert "'Qwen/Qwen9-1B' has no config.json and names no model with a built-in spec" in model
     assert "use one of: Qwen/Qwen3-0.6B, " in model and model.endswith("Qwen/Qwen2.5-32B")
-
-
-def test_rule_mindspeed_rollout_refuses_acl_graphs_beside_mindspeed():
-    """Rollout TP > 1 runs vLLM in the training process, where MindSpeed makes torch.compile a pass-through."""
-    bad = finding(run(MOE_2X8, "rollout.engine=vllm", "rollout.enforce_eager=false"), "mindspeed-rollout")
-    assert bad.status == "fail" and "rollout.enforce_eager" in bad.finding
-    assert finding(run(MOE_2X8, "rollout.engine=vllm"), "mindspeed-rollout").status == "ok"

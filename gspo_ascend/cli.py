@@ -12,13 +12,16 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from .errors import UserError
+from .errors import Stopped, UserError
 
 DEFAULT_TRAIN_CONFIG = "tiny_gspo.yaml"  # the embedded CPU default: GSPO on the tiny model and arithmetic task
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (sections: model, data, rollout, actor, algorithm, trainer)")
+    p.add_argument(
+        "--config",
+        help="YAML config file (sections: model, data, rollout, actor, algorithm, reward, trainer, validation)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. algorithm.loss=grpo")
 
 
@@ -52,8 +55,9 @@ def dry_run(cfg) -> int:
     from .doctor import preflight
     from .doctor.check import Check
     from .errors import DeviceError
+    from .rundir import output_dir_check
 
-    findings = preflight.preflight(cfg)
+    findings = [*preflight.preflight(cfg), output_dir_check(cfg.trainer.output_dir)]
     try:
         backend = get_backend(cfg.trainer.device)
         device = Check("device", "ok", f"{backend.name}{' (CPU shim)' if backend.emulated else ''}")
@@ -130,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_plot_args(p)
     p.set_defaults(func=main_plot)
 
+    from .evaluation import add_eval_args, main_eval
+
+    p = sub.add_parser("eval", help="mean@n / pass@k / maj@k of an HF checkpoint on prompt files (JSON + table)")
+    add_eval_args(p)
+    p.set_defaults(func=main_eval)
+
     p = sub.add_parser("doctor", help="check this machine (or a planned stack) and, with --config, the config")
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -157,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare-data", help="convert local gsm8k / MATH-lighteval / DAPO-Math files to parquet")
     add_prepare_data_args(p)
     p.set_defaults(func=main_prepare_data)
+
+    from .selftest.cli import add_selftest_args, main_selftest
+
+    p = sub.add_parser("selftest", help="run every layer (ops .. Ray) on this node's devices against the CPU reference")
+    add_selftest_args(p)
+    p.set_defaults(func=main_selftest)
     return parser
 
 
@@ -168,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Stopped as exc:  # SIGTERM: checkpoint saved at a safe point (preempt.py)
+        print(f"stopped: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -77,6 +77,9 @@ class ActorConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
+    # Ulysses sequence parallelism (fsdp engine): each packed micro-batch is split over this many ranks by tokens and
+    # attention heads are exchanged by all-to-all; data parallel over world / this (docs/engines.md)
+    ulysses_sequence_parallel_size: int = 1
     expert_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
     sequence_parallel: bool = False
@@ -109,7 +112,9 @@ class AlgorithmConfig:
 class RewardConfig:
     reward_fn: str | None = None  # None = math-verify on the last \\boxed{}; or "module:function" (verl signature)
     timeout_s: float = 5.0  # per sample; a timeout scores 0 and is counted
-    num_workers: int = 1  # scoring processes (0 = in the driver process)
+    num_workers: int = 1  # scoring processes, >= 1 (scoring inside the driver could hang it; refused)
+    # stop the run when more than this fraction of a step's samples failed to score (error or timeout); 1 = never
+    max_failure_rate: float = 0.5
     overlong_buffer_length: int = 0  # DAPO overlong penalty; 0 = off
     overlong_penalty_factor: float = 1.0
 
@@ -129,6 +134,24 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])  # + "wandb"
     project_name: str = "gspo-ascend"  # wandb project
     experiment_name: str = ""  # wandb run name; "" = the output directory's name
+    test_freq: int = 0  # steps between validations on data.val_files (and the last step); 0 = off (verl's name)
+    val_before_train: bool = False  # validate the initial weights first (logged as step 0; a resume skips it)
+
+
+@dataclass
+class ValidationConfig:
+    """How validation (trainer.test_freq / val_before_train) and `gspo-ascend eval` sample and report; verl's
+    rollout.val_kwargs plus the reporting knobs. gspo_ascend/validation.py says what each metric is."""
+
+    n: int = 1  # samples per prompt (mean@n; pass@k and maj@k need k <= n)
+    greedy: bool = True  # argmax decoding (verl: do_sample=false); false = sample with the three keys below
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    k: list[int] | None = None  # pass@k / maj@k reported; null = 1, 2, 4, ... and n
+    max_prompts: int | None = None  # cap: a fixed, seeded subset of this many prompts; null = all
+    batch_size: int = 64  # prompts per generate call; each call has its own seed, so results do not depend on workers
+    log_prompts: int = 16  # prompts whose responses are written to <output_dir>/validation/step_N.jsonl; 0 = none
 
 
 @dataclass
@@ -140,6 +163,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
 # ----------------------------------------------------------------------------------------------- schema walk
@@ -356,6 +380,7 @@ _POSITIVE = [
     "actor.tensor_parallel_size",
     "actor.pipeline_parallel_size",
     "actor.context_parallel_size",
+    "actor.ulysses_sequence_parallel_size",
     "actor.expert_parallel_size",
     "actor.expert_tensor_parallel_size",
     "trainer.nnodes",
@@ -409,6 +434,87 @@ def _minibatches(cfg: Config) -> Iterable[str]:
         )
     if cfg.actor.micro_batch_size is None and cfg.actor.max_tokens_per_micro_batch is None:
         yield "set 'actor.micro_batch_size' or 'actor.max_tokens_per_micro_batch' (one of them decides micro-batches)"
+
+
+@validator
+def _ulysses_layout(cfg: Config) -> Iterable[str]:
+    """Ulysses SP (engines/ulysses.py) splits packed rows over ranks: fsdp only, packed only, a divisor of the world.
+    The model's head counts are checked where the model is known (runtime.prepare, the preflight, the engine)."""
+    a, key = cfg.actor, "actor.ulysses_sequence_parallel_size"
+    sp, world = a.ulysses_sequence_parallel_size, cfg.trainer.nnodes * cfg.trainer.devices_per_node
+    if sp <= 1:
+        return
+    if a.engine != "fsdp":
+        yield f"config key '{key}' ({sp}) needs actor.engine=fsdp; with megatron use actor.context_parallel_size"
+    elif not a.use_remove_padding:
+        yield f"config key '{key}' ({sp}) splits packed rows: set actor.use_remove_padding=true"
+    elif world > 0 and world % sp:
+        yield (
+            f"config key '{key}' ({sp}) must divide the number of devices ({world} = trainer.nnodes x "
+            "trainer.devices_per_node)"
+        )
+
+
+@validator
+def _validation(cfg: Config) -> Iterable[str]:
+    """The validation keys; which files it reads is checked when they are loaded (gspo_ascend/validation.py)."""
+    v, freq = cfg.validation, cfg.trainer.test_freq
+    if freq < 0:
+        yield f"config key 'trainer.test_freq' must be >= 0 (steps between validations; 0 = off), got {freq}"
+    for key in ("validation.n", "validation.batch_size"):
+        if get(cfg, key) <= 0:
+            yield f"config key '{key}' must be > 0, got {get(cfg, key)}"
+    if v.max_prompts is not None and v.max_prompts <= 0:
+        yield f"config key 'validation.max_prompts' must be > 0 or null (all prompts), got {v.max_prompts}"
+    if v.log_prompts < 0:
+        yield f"config key 'validation.log_prompts' must be >= 0 (0 = write no responses), got {v.log_prompts}"
+    for k in v.k or []:
+        if not 1 <= k <= max(v.n, 1):
+            yield (
+                f"config key 'validation.k' has k={k}: pass@k and maj@k need 1 <= k <= validation.n (samples per "
+                f"prompt, {v.n}); raise validation.n or drop k={k}"
+            )
+    yield from _validation_sampling(v)
+
+
+def _validation_sampling(v: ValidationConfig) -> Iterable[str]:
+    if v.greedy:
+        if v.n > 1:
+            yield (
+                f"config key 'validation.n' ({v.n}) with validation.greedy=true would score one answer {v.n} times; "
+                "set validation.greedy=false to sample, or validation.n=1"
+            )
+        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+        changed = [f"validation.{k}={getattr(v, k)}" for k, d in defaults.items() if getattr(v, k) != d]
+        if changed:
+            yield (
+                f"config key(s) {', '.join(changed)} do nothing with validation.greedy=true (argmax decoding); "
+                "set validation.greedy=false to sample with them"
+            )
+        return
+    if v.temperature <= 0:
+        yield (
+            f"config key 'validation.temperature' must be > 0 when sampling, got {v.temperature}; "
+            "for argmax decoding set validation.greedy=true"
+        )
+    if not 0 < v.top_p <= 1:
+        yield f"config key 'validation.top_p' must be in (0, 1], got {v.top_p}"
+    if v.top_k != -1 and v.top_k <= 0:
+        yield f"config key 'validation.top_k' must be -1 (disabled) or > 0, got {v.top_k}"
+
+
+@validator
+def _reward(cfg: Config) -> Iterable[str]:
+    r = cfg.reward
+    if r.num_workers < 1:
+        yield (
+            f"config key 'reward.num_workers' must be >= 1, got {r.num_workers}: scoring inside the driver (0) was "
+            "removed, because a reward function stuck in C code could neither be timed out nor interrupted there"
+        )
+    if not 0 <= r.max_failure_rate <= 1:
+        yield f"config key 'reward.max_failure_rate' must be in [0, 1] (1 = never stop), got {r.max_failure_rate}"
+    if r.timeout_s is not None and r.timeout_s < 0:
+        yield f"config key 'reward.timeout_s' must be >= 0 (0 = no limit), got {r.timeout_s}"
 
 
 def data_parallel_size(cfg: Config) -> int:

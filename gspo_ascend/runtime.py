@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, to_dict
-from .errors import UserError
+from .errors import ConfigError, UserError
 
 
 @dataclass
@@ -29,7 +29,10 @@ class Run:
     resume_from: Path | None
     workers: Any = None  # workers.WorkerGroup, started last
     logger: Any = None  # metrics.MetricsLogger
+    reward_log: Any = None  # rewards.report.RewardErrorLog, made at the first scored step
     start_step: int = 0
+    lock: Any = None  # rundir.RunLock on output_dir, released by trainer.stop
+    val_set: Any = None  # validation.ValSet; None = validation off
 
 
 def resolve_model_path(cfg: Config) -> str:
@@ -58,13 +61,33 @@ def resolve_train_files(cfg: Config) -> list[str]:
         return list(cfg.data.train_files)
     if cfg.model.path:
         raise UserError("data.train_files is empty; set it to parquet/jsonl files (see `gspo-ascend prepare-data`)")
-    from .data import prepare_data
-    from .tiny import gspo_home
+    return [str(embedded_data_dir() / "train.parquet")]
 
-    out = gspo_home() / "data" / "synthetic"
-    if not (out / "train.parquet").is_file():
+
+def embedded_data_dir() -> Path:
+    """The synthetic task's ``train.parquet`` and held-out ``test.parquet``, built on first use. The directory is
+    named after the task's version, so a cache written by an older release (no held-out split) is never read."""
+    from .data import prepare_data
+    from .tiny import SYNTHETIC_VERSION, gspo_home
+
+    out = gspo_home() / "data" / f"synthetic-v{SYNTHETIC_VERSION}"
+    if not all((out / f"{split}.parquet").is_file() for split in ("train", "test")):
         prepare_data("synthetic", None, out, seed=0)
-    return [str(out / "train.parquet")]
+    return out
+
+
+def check_model_layout(cfg: Config, model_path: str) -> None:
+    """Parallel sizes the model's config.json must allow, checked before Ray starts (a worker's error would arrive
+    wrapped in Ray's traceback): Ulysses SP against the head counts."""
+    sp = cfg.actor.ulysses_sequence_parallel_size
+    if sp <= 1:
+        return
+    from .doctor.modelspec import load_spec
+    from .engines.ulysses import layout_problem
+
+    spec = load_spec(model_path)
+    if problem := layout_problem(sp, spec.heads, spec.kv_heads):
+        raise ConfigError(problem)
 
 
 def load_tokenizer(cfg: Config, model_path: str):
@@ -80,14 +103,19 @@ def load_tokenizer(cfg: Config, model_path: str):
 def prepare(cfg: Config) -> Run:
     """Validate and load everything host-side; no Ray, no engines yet."""
     from .checkpoint import cleanup_stale, resolve_resume
-    from .data import PromptSampler, load_prompts
+    from .data import PromptSampler, load_prompts, report_filtered
     from .device import get_backend
+    from .resume import check_resume
     from .rewards import load_reward_fn
+    from .rundir import check_writable, open_run_dir
+    from .validation import prepare_val_set
 
     backend = get_backend(cfg.trainer.device)
+    check_writable(cfg.trainer.output_dir)  # before minutes of data loading; creates nothing
     if cfg.reward.reward_fn:
         load_reward_fn(cfg.reward.reward_fn)  # a bad module:function path fails now, with its one line
     model_path = resolve_model_path(cfg)
+    check_model_layout(cfg, model_path)
     tokenizer = load_tokenizer(cfg, model_path)
     d = cfg.data
     dataset = load_prompts(
@@ -98,10 +126,19 @@ def prepare(cfg: Config) -> Run:
         d.overlong_prompts,
         answer_key=d.answer_key,
     )
+    report_filtered(dataset, d.max_prompt_length)  # over-long prompts left out: said once
     sampler = PromptSampler(len(dataset), d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
+    val_set = prepare_val_set(cfg, tokenizer, model_path)
     output_dir = Path(cfg.trainer.output_dir).expanduser()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    cleanup_stale(output_dir)
-    resume_from = resolve_resume(cfg.trainer.resume, output_dir)
-    (output_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    return Run(cfg, backend, model_path, tokenizer, dataset, sampler, output_dir, resume_from)
+    lock = open_run_dir(output_dir)  # this run's alone from here on (a second run stops here, in one line)
+    try:
+        cleanup_stale(output_dir)
+        resume_from = resolve_resume(cfg.trainer.resume, output_dir)
+        start_step = check_resume(cfg, resume_from, model_path)  # refuses before config.json is rewritten
+        (output_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    except BaseException:
+        lock.release()
+        raise
+    run = Run(cfg, backend, model_path, tokenizer, dataset, sampler, output_dir, resume_from, val_set=val_set)
+    run.start_step, run.lock = start_step, lock
+    return run

@@ -8,6 +8,7 @@
         pi_old    <- recomputed by the train engine, or the rollout engine's own (algorithm.old_logprobs)
         update    <- the batch split into minibatches, one clipped GSPO optimizer step each
         sync      <- the new weights streamed into the rollout engine
+        validate  <- every trainer.test_freq steps: held-out prompts, mean@n / pass@k / maj@k (validation.py)
         log, checkpoint
 
 How we differ from verl's ``RayPPOTrainer.fit``: no reference or critic workers (the paper uses no KL; a
@@ -26,30 +27,84 @@ from typing import Any
 
 import torch
 
+from . import validation
 from .algorithms import grpo_advantages
 from .config import Config, to_dict
 from .engines import SampleBatch, SamplingParams
+from .errors import Stopped, UserError
+from .preempt import GracefulStop
 from .runtime import Run, prepare
 
 
 def train(cfg: Config) -> list[dict[str, float]]:
-    """Run GSPO as configured; returns the metrics of every step run by this call."""
-    run = prepare(cfg)
-    history = []
+    """Run GSPO as configured; returns the metrics of every step run by this call. On SIGTERM the step finishes,
+    its checkpoint is saved and :class:`~gspo_ascend.errors.Stopped` ends the run (exit 143; preempt.py)."""
+    from .rundir import disk_full
+
+    sigterm = GracefulStop()
+    sigterm.install()  # a SIGTERM during set-up waits for the first safe point too
     try:
-        start(run)
-        for step in range(run.start_step + 1, cfg.trainer.total_steps + 1):
-            history.append(train_step(run, step))
-            if cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0 and step < cfg.trainer.total_steps:
-                save_checkpoint(run, step)
-        if run.start_step < cfg.trainer.total_steps:
-            save_checkpoint(run, cfg.trainer.total_steps)
-            export_hf(run)
+        return _train(cfg, sigterm)
+    except UserError:
+        raise  # already one line (a full disk during a save says which save)
+    except Exception as exc:
+        full = disk_full(exc, cfg.trainer.output_dir, "writing the run's outputs")  # metrics, config, TensorBoard
+        if full is not None:
+            raise full from None
+        raise
+    finally:
+        sigterm.restore()
+
+
+def _train(cfg: Config, sigterm: GracefulStop) -> list[dict[str, float]]:
+    run, t = prepare(cfg), cfg.trainer
+    history, last = [], run.start_step
+    try:
+        if run.start_step >= t.total_steps:  # resumed at its last step (below it is refused by check_resume)
+            _already_complete(run)
+        else:
+            start(run)
+            sigterm.install()  # Ray's start-up replaced our handler with its own (a stack dump, exit code 134)
+            validation.before_training(run)
+            for step in range(run.start_step + 1, t.total_steps + 1):
+                if sigterm.requested:  # only before the first step: later ones stop after their save below
+                    break
+                history.append(train_step(run, step))
+                last = step
+                if step == t.total_steps or sigterm.requested or (t.save_freq and step % t.save_freq == 0):
+                    save_checkpoint(run, step)
+                if sigterm.requested:
+                    break
+            if last == t.total_steps:
+                export_hf(run)
     finally:
         stop(run)
-    t = cfg.trainer
-    print("\n".join(run_summary(run.output_dir, t.loggers, t.project_name)), flush=True)
+    val_files = run.val_set.files if run.val_set is not None else None
+    print("\n".join(run_summary(run.output_dir, t.loggers, t.project_name, val_files)), flush=True)
+    if sigterm.requested:
+        raise Stopped(_stopped_message(run, last), sigterm.signum)
     return history
+
+
+def _already_complete(run: Run) -> None:
+    print(
+        f"checkpoint {run.resume_from} is at trainer.total_steps ({run.start_step}): nothing left to train; raise "
+        "trainer.total_steps to continue this run",
+        flush=True,
+    )
+    if not (run.output_dir / "hf").is_dir():  # killed between the last checkpoint and the HF export
+        start(run)
+        export_hf(run)
+
+
+def _stopped_message(run: Run, last: int) -> str:
+    from .checkpoint import checkpoint_name, checkpoints_root, find_latest
+
+    if last > run.start_step:
+        saved = checkpoints_root(run.output_dir) / checkpoint_name(last)
+        return f"SIGTERM: stopped after step {last} with checkpoint {saved}; run the same command to resume"
+    latest = find_latest(run.output_dir)
+    return f"SIGTERM before this run's first step: nothing new to save (last checkpoint: {latest or 'none'})"
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
@@ -58,7 +113,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     with timer("rollout"):
         batch = rollout(run, prompts, step)
     with timer("reward"):
-        rewards, metrics = score(run, batch, prompts)
+        rewards, metrics = score(run, batch, prompts, step)
     batch.advantages = grpo_advantages(rewards, batch.group_index, norm_by_std=cfg.algorithm.norm_adv_by_std)
     with timer("old_log_prob"):
         batch.old_log_probs = old_log_probs(run, batch)
@@ -67,6 +122,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     with timer("sync"):
         metrics |= run.workers.sync_weights()
     metrics |= batch_metrics(batch) | timer.metrics(batch.num_tokens())
+    metrics |= validation.due(run, step)  # held-out prompts every trainer.test_freq steps and at the last
     run.logger.log(step, metrics)
     return metrics
 
@@ -91,8 +147,12 @@ def rollout(run: Run, prompts: list[Any], step: int) -> SampleBatch:
     return run.workers.generate([p.prompt_ids for p in prompts], params)
 
 
-def score(run: Run, batch: SampleBatch, prompts: list[Any]) -> tuple[torch.Tensor, dict[str, float]]:
+def score(run: Run, batch: SampleBatch, prompts: list[Any], step: int) -> tuple[torch.Tensor, dict[str, float]]:
     from .rewards import compute_rewards
+    from .rewards.report import RewardErrorLog
+
+    if run.reward_log is None:  # failures -> <output_dir>/reward_errors.log, one warning, the rate limit
+        run.reward_log = RewardErrorLog(run.output_dir)
 
     rc = run.cfg.reward
     rows = [prompts[int(g)] for g in batch.group_index]
@@ -112,6 +172,9 @@ def score(run: Run, batch: SampleBatch, prompts: list[Any]) -> tuple[torch.Tenso
         overlong_penalty_factor=rc.overlong_penalty_factor,
         timeout_s=rc.timeout_s,
         num_workers=rc.num_workers,
+        max_failure_rate=rc.max_failure_rate,
+        error_log=run.reward_log,
+        step=step,
     )
 
 
@@ -144,12 +207,16 @@ def batch_metrics(batch: SampleBatch) -> dict[str, float]:
 def start(run: Run) -> None:
     from .checkpoint import load_rng, load_trainer_state
     from .metrics import MetricsLogger
+    from .resume import load_failure
     from .workers import WorkerGroup
 
     run.workers = WorkerGroup(run.cfg, run.backend, run.model_path)
     if run.resume_from is not None:
         state = load_trainer_state(run.resume_from)
-        run.workers.load_checkpoint(str(run.resume_from / "engine"))
+        try:
+            run.workers.load_checkpoint(str(run.resume_from / "engine"))
+        except Exception as exc:
+            raise load_failure(run.resume_from, exc) from None
         run.workers.sync_weights()  # the rollout engine still holds the initial weights
         run.sampler.load_state_dict(state["sampler"])
         load_rng(run.resume_from)
@@ -169,32 +236,55 @@ def start(run: Run) -> None:
 
 def save_checkpoint(run: Run, step: int) -> None:
     from .checkpoint import abort, begin, commit, save_rng
+    from .resume import state_record
+    from .rundir import disk_full
 
     tmp = begin(run.output_dir, step)
     try:
         run.workers.save_checkpoint(str(tmp / "engine"))
         save_rng(tmp)
-    except BaseException:
+        state = {"step": step, "sampler": run.sampler.state_dict(), **state_record(run.cfg, run.model_path)}
+        commit(tmp, step, state, keep_last=run.cfg.trainer.keep_last)
+    except BaseException as exc:
+        # probed before abort frees the partial files: torch.save says "unexpected pos", not "No space left"
+        full = disk_full(exc, run.output_dir, f"saving checkpoint step {step}", tmp)
         abort(tmp)  # a failed save leaves nothing behind; the previous checkpoint stays the latest
+        if full is not None:
+            raise full from None
         raise
-    state = {"step": step, "sampler": run.sampler.state_dict()}
-    commit(tmp, step, state, keep_last=run.cfg.trainer.keep_last)
 
 
 def export_hf(run: Run) -> None:
-    run.workers.save_hf(str(run.output_dir / "hf"))
+    from .rundir import disk_full
+
+    hf = run.output_dir / "hf"
+    try:
+        run.workers.save_hf(str(hf))
+    except Exception as exc:
+        full = disk_full(exc, run.output_dir, "exporting the Hugging Face model", hf)
+        if full is not None:
+            raise full from None
+        raise
 
 
 def stop(run: Run) -> None:
-    if run.logger is not None:
-        run.logger.close()
-    if run.workers is not None:
-        run.workers.shutdown()
+    try:
+        if run.logger is not None:
+            run.logger.close()
+        if run.workers is not None:
+            run.workers.shutdown()
+    finally:
+        if run.lock is not None:
+            run.lock.release()  # trainer.output_dir is free for the next run (rundir.py)
 
 
-def run_summary(output_dir: str | Path, loggers: list[str], project_name: str = "") -> list[str]:
+def run_summary(
+    output_dir: str | Path, loggers: list[str], project_name: str = "", val_files: list[str] | None = None
+) -> list[str]:
     """The closing lines of a run: where its outputs are and the commands that show them. Only what exists is
-    named as a path; a sink left out of ``trainer.loggers`` is named as such, so an absent file is explained."""
+    named as a path; a sink left out of ``trainer.loggers`` is named as such, so an absent file is explained.
+    With ``val_files`` (the run validated) and an export, the `gspo-ascend eval` command that reproduces the last
+    validation from the export."""
     from .checkpoint import find_latest
     from .metrics import JSONL_NAME, TENSORBOARD_DIR
 
@@ -222,6 +312,10 @@ def run_summary(output_dir: str | Path, loggers: list[str], project_name: str = 
         commands.append(f"  gspo-ascend plot {shlex.quote(str(run_dir))}   # PNG curves into {run_dir / 'plots'}")
     if tensorboard.exists():
         commands.append(f"  tensorboard --logdir {shlex.quote(str(tensorboard))}")
+    if val_files and hf.exists():
+        data = " ".join(f"--data {shlex.quote(str(f))}" for f in val_files)
+        config = shlex.quote(str(run_dir / "config.json"))
+        commands.append(f"  gspo-ascend eval --model {shlex.quote(str(hf))} --config {config} {data}")
     return lines + (["look at it:", *commands] if commands else [])
 
 

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
+from .cluster import ClusterWatch, placement_line
 from .config import Config, from_dict, to_dict
 from .engines import SampleBatch, SamplingParams
 from .errors import UserError
@@ -48,7 +51,12 @@ class PolicyWorker:
 
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def node(self) -> tuple[str, str]:
+        from .cluster import this_node
+
+        return this_node()
+
+    def setup(self, master_addr: str, master_port: int, train: bool = True) -> None:
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -63,7 +71,8 @@ class PolicyWorker:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         torch.distributed.init_process_group(backend.comm_backend, rank=self.rank, world_size=self.world_size)
         backend.manual_seed(self.cfg.trainer.seed)
-        self.train_engine = build_train_engine(self.cfg, backend, self.model_path)
+        # train=False: rollout only (`gspo-ascend eval` through Ray), no optimizer state held for nothing
+        self.train_engine = build_train_engine(self.cfg, backend, self.model_path) if train else None
         self.rollout_engine = build_rollout_engine(self.cfg, backend, self.model_path)
 
     # -- the phases of a step ------------------------------------------------------------------------------
@@ -140,7 +149,7 @@ def _init_ray(backend, world_size: int) -> None:
 class WorkerGroup:
     """Driver-side handle on the ``world_size`` actors; methods mirror :class:`PolicyWorker`'s phases."""
 
-    def __init__(self, cfg: Config, backend, model_path: str):
+    def __init__(self, cfg: Config, backend, model_path: str, *, train: bool = True):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -169,31 +178,59 @@ class WorkerGroup:
             ).remote(cfg_dict, model_path, rank, self.world_size, threads)
             for rank in range(self.world_size)
         ]
-        addr, port = ray.get(self.workers[0].address.remote())
-        self._all("setup", addr, port)
+        # fail-fast gathering: a lost rank or node is one line (ClusterError), not a wait on the survivors
+        self.watch = ClusterWatch(self.workers, [], cfg.trainer.output_dir)
+        self.watch.nodes = self._get([w.node.remote() for w in self.workers])
+        # where each rank runs, once; on stderr, because `gspo-ascend eval` prints its table on stdout
+        print(placement_line(self.watch.nodes), file=sys.stderr, flush=True)
+        addr, port = self._get([self.workers[0].address.remote()])[0]
+        self._all("setup", addr, port, train)
+
+    def _get(self, refs: list) -> list:
+        return self.watch.get(refs)
 
     def _all(self, method: str, *args: Any) -> list:
-        import ray
-
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        return self._get([getattr(w, method).remote(*args) for w in self.workers])
 
     def _sharded(self, method: str, batch: SampleBatch, *args: Any) -> list:
-        import ray
-
         shards = batch.split(self.world_size)
-        return ray.get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shards, strict=True)])
+        return self._get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shards, strict=True)])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> SampleBatch:
         """Each rollout tensor-parallel group of ranks (1 rank unless rollout.engine=vllm with TP > 1) gets a
         contiguous slice of the prompts and its own seed; the group's first rank's samples are kept."""
-        import ray
 
         from .engines.vllm_rollout import gather_rollout_shards, split_rollout_prompts
 
         tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.engine == "vllm" else 1
         parts = split_rollout_prompts(prompts, params, self.world_size, tp)
-        shards = ray.get([w.generate.remote(p, sp) for w, (p, sp) in zip(self.workers, parts, strict=True)])
+        shards = self._get([w.generate.remote(p, sp) for w, (p, sp) in zip(self.workers, parts, strict=True)])
         return gather_rollout_shards(shards, tp)
+
+    def generate_each(
+        self, requests: list[tuple[list[list[int]], SamplingParams]], on_done: Callable[[int], None] | None = None
+    ) -> list[SampleBatch]:
+        """Independent requests (validation chunks, each with its own seed), spread over the rollout groups in
+        rounds; one batch per request, in order; ``on_done(requests finished)`` after each round. A request's
+        samples do not depend on which group ran it, so the result is that of one engine running the requests one
+        after another (what `gspo-ascend eval` does on one device)."""
+
+        from .engines.vllm_rollout import rollout_tp_groups
+
+        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.engine == "vllm" else 1
+        groups = rollout_tp_groups(self.world_size, tp)
+        out: list[SampleBatch] = []
+        for start in range(0, len(requests), len(groups)):
+            batch = requests[start : start + len(groups)]
+            # every group works in every round, as in a training rollout (a short last round repeats its final
+            # request and drops the result): no rollout group is ever asked to sit out a step
+            padded = batch + [batch[-1]] * (len(groups) - len(batch))
+            pairs = zip(padded, groups, strict=True)
+            done = self._get([self.workers[r].generate.remote(*q) for q, ranks in pairs for r in ranks])
+            out.extend(done[g * tp] for g in range(len(batch)))  # a group's first rank; the others hold the same
+            if on_done is not None:
+                on_done(len(out))
+        return out
 
     def compute_log_probs(self, batch: SampleBatch, temperature: float):
         import torch
@@ -203,11 +240,10 @@ class WorkerGroup:
     def update(self, batch: SampleBatch, temperature: float, minibatches: int) -> dict[str, float]:
         """Rank r gets the r-th part of every minibatch, so minibatch j is the same set of samples at any
         data-parallel size (DP=2 trains exactly like DP=1 on the same batch)."""
-        import ray
 
         parts = [mb.split(self.world_size) for mb in batch.split(minibatches)]
         shards = [SampleBatch.concat([parts[j][r] for j in range(minibatches)]) for r in range(self.world_size)]
-        per_rank = ray.get([w.update.remote(s, temperature) for w, s in zip(self.workers, shards, strict=True)])
+        per_rank = self._get([w.update.remote(s, temperature) for w, s in zip(self.workers, shards, strict=True)])
         return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
 
     def sync_weights(self) -> dict[str, float]:
@@ -224,11 +260,15 @@ class WorkerGroup:
         self._all("save_hf", path)
 
     def shutdown(self) -> None:
+        """Close the process groups, then kill the actors. After a lost rank (or any failure mid-call, when a rank
+        may be stuck in a collective) the graceful part is bounded: a shutdown queued behind a call that never
+        returns would otherwise hang the driver."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         try:
-            self._all("shutdown")
+            if not self.watch.broken:
+                ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=60)
         finally:
             for w in self.workers:
                 ray.kill(w)

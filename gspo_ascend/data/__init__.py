@@ -3,7 +3,7 @@ and a resumable sampler. Schema and differences from verl: docs/data.md and each
 """
 
 from .cli import add_prepare_data_args, main_prepare_data
-from .loader import PromptDataset, PromptRecord, load_prompts
+from .loader import PromptDataset, PromptRecord, load_prompts, report_filtered
 from .prepare import INSTRUCTION, VALID_KINDS, prepare_data
 from .sampler import PromptSampler
 
@@ -17,4 +17,5 @@ __all__ = [
     "load_prompts",
     "main_prepare_data",
     "prepare_data",
+    "report_filtered",
 ]

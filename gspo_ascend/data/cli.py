@@ -16,7 +16,7 @@ def add_prepare_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-dedupe", action="store_true", help="keep duplicate (question, answer) rows")
     p.add_argument("--seed", type=int, default=0, help="synthetic only: generator seed")
     p.add_argument("--num-train", type=int, default=2048, help="synthetic only: training prompts")
-    p.add_argument("--num-test", type=int, default=256, help="synthetic only: test prompts")
+    p.add_argument("--num-test", type=int, default=256, help="synthetic only: held-out test prompts (at most 39)")
 
 
 def main_prepare_data(args: argparse.Namespace) -> int:
@@ -31,6 +31,7 @@ def main_prepare_data(args: argparse.Namespace) -> int:
     )
     for split, info in summary.items():
         extra = f", {info['skipped_no_answer']} without a final answer skipped" if info["skipped_no_answer"] else ""
+        extra += f", {info['skipped_no_question']} without a question skipped" if info["skipped_no_question"] else ""
         extra += f", {info['duplicates_dropped']} duplicates dropped" if info["duplicates_dropped"] else ""
         print(f"{split}: {info['rows']} rows -> {info['path']}{extra}")
     return 0

@@ -2,8 +2,10 @@
 
 How we differ from verl's ``RLHFDataset``: no torch ``Dataset``/``DataLoader`` (the trainer asks for one batch
 of prompts per step; the sampler in :mod:`.sampler` is the resumable part), prompts are tokenized once at load
-time, and an over-long prompt is either filtered (counted, reported) or a one-line error naming the file, the
-row and ``data.max_prompt_length`` (verl's truncation error names neither the file nor the row).
+time, and an over-long prompt is either filtered (counted, and reported once by :func:`report_filtered`) or a
+one-line error naming the file, the row and ``data.max_prompt_length`` (verl's truncation error names neither
+the file nor the row). A message whose content is null is refused with its file and row (``str(None)`` would
+have trained on the prompt text "None").
 
 The ground truth is read from the dotted ``answer_key`` (e.g. ``answer`` or ``reward_model.ground_truth``);
 when that key is absent but the row has verl's ``reward_model.ground_truth``, that is used.
@@ -11,6 +13,7 @@ when that key is absent but the row has verl's ``reward_model.ground_truth``, th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +61,11 @@ def _messages(value: Any, where: str, prompt_key: str) -> list[dict]:
     if isinstance(value, str):  # a plain-text prompt column: one user turn
         return [{"role": "user", "content": value}]
     if isinstance(value, Sequence) and value and all(isinstance(m, dict) and "content" in m for m in value):
+        if any(m["content"] is None for m in value):
+            raise UserError(
+                f"{where}: a message in column '{prompt_key}' (data.prompt_key) has no content (null); fix or drop "
+                "the row (`gspo-ascend prepare-data` skips rows without a question)"
+            )
         return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in value]
     raise UserError(
         f"{where}: column '{prompt_key}' (data.prompt_key) must be a string or a list of "
@@ -136,6 +144,19 @@ def load_prompts(
             records.append(PromptRecord(ids[i], messages[i], str(truth), source, extra, f"{path}:{i}"))
     _check_not_empty(records, filtered, paths, max_prompt_length)
     return PromptDataset(records, filtered, [str(p) for p in paths])
+
+
+def report_filtered(dataset: PromptDataset, max_prompt_length: int) -> None:
+    """One line on stderr when ``overlong="filter"`` left prompts out (nothing when none were)."""
+    if dataset.num_filtered:
+        total = dataset.num_filtered + len(dataset)
+        print(
+            f"warning: {dataset.num_filtered} of {total} prompts in {', '.join(dataset.files)} are longer than "
+            f"data.max_prompt_length={max_prompt_length} tokens and were left out (data.overlong_prompts=filter; "
+            "=error stops instead); raise data.max_prompt_length to keep them",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _check_not_empty(records: list, filtered: int, paths: list[Path], max_prompt_length: int) -> None:

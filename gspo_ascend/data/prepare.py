@@ -11,10 +11,11 @@ Output (``train.parquet``, and ``test.parquet`` when the input has a test split)
 How we differ from verl's preprocess scripts: the same columns (a verl parquet loads here and ours in verl),
 but inputs are local files (no hub), every prompt asks for the answer in ``\\boxed{}`` (DAPO's "Answer:"
 instruction is replaced, so one math-verify scorer fits all three), ground truths are plain strings
-(gsm8k's thousands separators removed), rows whose final answer cannot be found are skipped and counted, and
-duplicate (question, answer) pairs are dropped: the published DAPO-Math-17k parquet repeats its ~17k
-problems many times over (deduplicated community copies exist for that reason), so one "epoch" of it would
-silently be many passes over the same problems.
+(gsm8k's thousands separators removed), rows whose final answer cannot be found (a gsm8k ``####`` with
+nothing after it included) or whose question is null or empty are skipped and counted (never turned into an
+empty ground truth or the prompt text "None"), and duplicate (question, answer) pairs are dropped: the
+published DAPO-Math-17k parquet repeats its ~17k problems many times over (deduplicated community copies exist
+for that reason), so one "epoch" of it would silently be many passes over the same problems.
 """
 
 from __future__ import annotations
@@ -38,20 +39,28 @@ class Kind:
     name: str
     data_source: str
     columns: tuple[str, ...]
-    # row -> (question, ground truth, data_source or None for the default); None = no final answer, skip
-    convert: Callable[[dict], tuple[str, str, str | None] | None]
+    # row -> (question or None when null / empty, ground truth, data_source or None for the default);
+    # None = no final answer, skip
+    convert: Callable[[dict], tuple[str | None, str, str | None] | None]
+
+
+def _text(value) -> str | None:
+    """A text cell, stripped; None for a null or blank one (``str(None)`` would be the text "None")."""
+    text = "" if value is None else str(value).strip()
+    return text or None
 
 
 def _gsm8k(row: dict):
-    answer = str(row["answer"])
-    if "####" not in answer:
+    answer = _text(row["answer"])
+    if answer is None or "####" not in answer:
         return None
-    return str(row["question"]).strip(), answer.rsplit("####", 1)[1].strip().replace(",", ""), None
+    truth = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return (_text(row["question"]), truth, None) if truth else None  # "#### " alone: no final answer
 
 
 def _math_lighteval(row: dict):
-    boxed = extract_boxed(str(row["solution"]))
-    return (str(row["problem"]).strip(), boxed, None) if boxed else None
+    boxed = extract_boxed(_text(row["solution"]) or "")
+    return (_text(row["problem"]), boxed, None) if boxed else None
 
 
 def dapo_question(content: str) -> str:
@@ -68,7 +77,8 @@ def _dapo_math(row: dict):
     truth = reward.get("ground_truth") if isinstance(reward, dict) else None
     if not user or truth is None or str(truth).strip() == "":
         return None
-    return dapo_question(str(user[-1]["content"])), str(truth).strip(), row.get("data_source") or None
+    content = _text(user[-1].get("content"))
+    return _text(dapo_question(content)) if content else None, str(truth).strip(), row.get("data_source") or None
 
 
 KINDS: dict[str, Kind] = {
@@ -110,7 +120,7 @@ def make_row(data_source: str, messages: list[dict], ground_truth: str, split: s
 
 
 def _convert_split(kind: Kind, files: list[Path], split: str, dedupe: bool) -> tuple[list[dict], dict]:
-    rows, seen, skipped, duplicates, index = [], set(), 0, 0, 0
+    rows, seen, skipped, no_question, duplicates, index = [], set(), 0, 0, 0, 0
     for path in files:
         for raw in read_rows(path, list(kind.columns)):
             converted = kind.convert(raw)
@@ -119,13 +129,21 @@ def _convert_split(kind: Kind, files: list[Path], split: str, dedupe: bool) -> t
                 skipped += 1
                 continue
             question, truth, source = converted
+            if question is None:
+                no_question += 1
+                continue
             if dedupe and (question, truth) in seen:
                 duplicates += 1
                 continue
             seen.add((question, truth))
             messages = [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}]
             rows.append(make_row(source or kind.data_source, messages, truth, split, index - 1))
-    return rows, {"rows": len(rows), "skipped_no_answer": skipped, "duplicates_dropped": duplicates}
+    return rows, {
+        "rows": len(rows),
+        "skipped_no_answer": skipped,
+        "skipped_no_question": no_question,
+        "duplicates_dropped": duplicates,
+    }
 
 
 def write_parquet(rows: list[dict], path: Path) -> None:
@@ -143,7 +161,8 @@ def _synthetic_rows(seed: int, num_train: int, num_test: int) -> dict[str, list[
 
     out = {}
     for split, n in (("train", num_train), ("test", num_test)):
-        records = synthetic_arithmetic(n, seed=seed, split=split)
+        # test: each held-out problem once (39 of them), train: draws, so the sampler sees the task's distribution
+        records = synthetic_arithmetic(n, seed=seed, split=split, distinct=split == "test")
         out[split] = [
             make_row(SYNTHETIC_DATA_SOURCE, r["prompt"], r["answer"], split, i) for i, r in enumerate(records)
         ]
@@ -163,14 +182,16 @@ def prepare_data(
     """Convert a local dataset to ``output_dir/{train,test}.parquet``; returns per-split counts and paths.
 
     ``kind``: gsm8k | math_lighteval | dapo_math (read ``input_path``: one file or a directory) or synthetic
-    (the tiny arithmetic task of :mod:`gspo_ascend.tiny`; ``seed``, ``num_train``, ``num_test`` apply).
+    (the tiny arithmetic task of :mod:`gspo_ascend.tiny`; ``seed``, ``num_train``, ``num_test`` apply; its test
+    split holds each of the 39 held-out problems at most once, so ``num_test`` above 39 gives 39).
     """
     if kind not in VALID_KINDS:
         raise UserError(f"unknown dataset kind '{kind}'; valid kinds: {', '.join(VALID_KINDS)}")
     out_dir = Path(output_dir).expanduser()
     if kind == SYNTHETIC:
         by_split = _synthetic_rows(seed, num_train, num_test)
-        summary = {s: {"rows": len(r), "skipped_no_answer": 0, "duplicates_dropped": 0} for s, r in by_split.items()}
+        zero = {"skipped_no_answer": 0, "skipped_no_question": 0, "duplicates_dropped": 0}
+        summary = {s: {"rows": len(r), **zero} for s, r in by_split.items()}
     else:
         if input_path is None:
             raise UserError(f"dataset kind '{kind}' needs an input path (a local .parquet/.jsonl file or directory)")
@@ -179,8 +200,9 @@ def prepare_data(
             by_split[split], summary[split] = _convert_split(KINDS[kind], files, split, dedupe)
     for split, rows in by_split.items():
         if not rows:
-            skipped = summary[split]["skipped_no_answer"]
-            why = f"all {skipped} rows had no final answer; is this the right --kind?" if skipped else "it is empty"
+            skipped = summary[split]["skipped_no_answer"] + summary[split]["skipped_no_question"]
+            why = f"all {skipped} rows had no question or no final answer; is this the right --kind?"
+            why = why if skipped else "it is empty"
             raise UserError(f"dataset kind '{kind}': the {split} split of '{input_path}' gave no rows: {why}")
         path = out_dir / f"{split}.parquet"
         write_parquet(rows, path)

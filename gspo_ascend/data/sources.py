@@ -2,7 +2,8 @@
 
 How we differ from verl: verl's preprocess scripts call ``datasets.load_dataset(<hub name>)``, which needs
 network access (or a pre-populated HF cache). We only read files the user already has, in each dataset's
-public column layout, and fail with one line naming the path and what was expected.
+public column layout, and fail with one line naming the path and what was expected. Text must be UTF-8: a file
+that is not is named with the line (JSON lines) or the row and column (parquet), not a bare UnicodeDecodeError.
 """
 
 from __future__ import annotations
@@ -67,23 +68,59 @@ def columns_of(path: Path) -> list[str]:
     return []
 
 
+def _not_utf8(path: Path, where: str, exc: UnicodeDecodeError, chunk: bytes) -> UserError:
+    byte = chunk[exc.start : exc.start + 1].hex()
+    return UserError(
+        f"dataset file '{path}' {where} is not UTF-8 text (byte 0x{byte}); re-encode the file as UTF-8, e.g. "
+        f"`iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`"
+    )
+
+
 def _iter_json_lines(path: Path):
-    with path.open(encoding="utf-8") as fh:
+    # bytes, decoded line by line: a UnicodeDecodeError from a text-mode file names neither the file nor the line
+    with path.open("rb") as fh:
         first = fh.read(1)
         fh.seek(0)
-        if first == "[":  # a .json file holding one array of records
+        if first == b"[":  # a .json file holding one array of records
+            data = fh.read()
             try:
-                yield from json.load(fh)
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                lineno = data[: exc.start].count(b"\n") + 1
+                raise _not_utf8(path, f"line {lineno}", exc, data) from None
+            try:
+                yield from json.loads(text)
             except json.JSONDecodeError as exc:
                 raise UserError(f"dataset file '{path}' is not valid JSON: {exc}") from None
             return
-        for lineno, line in enumerate(fh, 1):
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(path, f"line {lineno}", exc, raw) from None
             if not line.strip():
                 continue
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"dataset file '{path}' line {lineno} is not valid JSON: {exc.msg}") from None
+
+
+def _parquet_rows(path: Path, columns: list[str]) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=columns)
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as exc:  # a string column holding bytes that are not UTF-8: find the cell
+        for name in columns:
+            column = table.column(name)
+            for i in range(len(column)):
+                try:
+                    column[i].as_py()
+                except UnicodeDecodeError as cell:
+                    raise _not_utf8(path, f"row {i} (column '{name}')", cell, cell.object) from None
+        raise _not_utf8(path, "(a string column)", exc, exc.object) from None
 
 
 def read_rows(path: Path, columns: list[str]) -> list[dict]:
@@ -98,9 +135,7 @@ def read_rows(path: Path, columns: list[str]) -> list[dict]:
             "is this the right --kind for the file?"
         )
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path, columns=columns).to_pylist()
+        return _parquet_rows(path, columns)
     rows = []
     for i, row in enumerate(_iter_json_lines(path)):
         absent = [c for c in columns if c not in row]

@@ -4,7 +4,7 @@ Importing this package does not import torch, so reward worker processes start q
 inside the functions that return tensors. See :mod:`.math_answer` for why model text is never evaluated.
 """
 
-from .compute import DEFAULT_TIMEOUT_S, compute_rewards, shutdown_reward_workers
+from .compute import DEFAULT_TIMEOUT_S, compute_rewards, score_responses, shutdown_reward_workers
 from .math_answer import extract_boxed, is_equivalent, math_score
 from .penalty import overlong_penalty
 from .user_fn import load_reward_fn
@@ -17,5 +17,6 @@ __all__ = [
     "load_reward_fn",
     "math_score",
     "overlong_penalty",
+    "score_responses",
     "shutdown_reward_workers",
 ]

@@ -1,5 +1,6 @@
 """Atomic checkpoints: crashes (exceptions, SIGKILL at every durability point) never yield a resumable
-half-checkpoint; commit replaces; explicit resume paths are validated; RNG capture/restore replays draws."""
+half-checkpoint; commit replaces; explicit resume paths are validated; damage after the commit (truncation,
+same-size corruption) is found, announced, moved aside and fallen back from; RNG capture/restore replays draws."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from gspo_ascend.errors import UserError
 from tests.conftest import REPO
 
 TS = ck.TRAINER_STATE
+ABC_BLAKE3 = "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"  # the BLAKE3 spec's vector for "abc"
 
 
 def save(out, step, content: str, keep_last=None):
@@ -57,7 +60,12 @@ def test_begin_commit_layout_and_state_roundtrip(tmp_path):
     assert sorted(p.name for p in final.iterdir()) == ["COMPLETE", "model.bin", "trainer_state.json"]
     assert ck.load_trainer_state(final) == {"consumed_prompts": 56, "step": 7}
     marker = json.loads((final / "COMPLETE").read_text())
-    assert marker == {"step": 7, "files": {"model.bin": 3, "trainer_state.json": len((final / TS).read_bytes())}}
+    state_bytes = (final / TS).read_bytes()
+    assert marker == {
+        "step": 7,
+        "files": {"model.bin": 3, "trainer_state.json": len(state_bytes)},
+        "blake3": {"model.bin": ABC_BLAKE3, "trainer_state.json": blake3.blake3(state_bytes).hexdigest()},
+    }
     assert ck.find_latest(tmp_path) == final
     assert ck.resolve_resume("auto", tmp_path) == final
 
@@ -180,6 +188,94 @@ def test_load_trainer_state_errors_are_one_line(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="cannot read"):
         ck.load_trainer_state(tmp_path)
+
+
+# --- damage after the commit (issue 18, defects 2 and 3) ---------------------------------------------------
+
+
+def flip_byte(path, offset=None):
+    """Same-size corruption: one byte inverted (the middle one by default)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if offset is None else offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def damaged_entries(out) -> list[str]:
+    return sorted(p.name for p in (out / ck.CHECKPOINT_DIR).iterdir() if p.name.startswith(ck.DAMAGED_PREFIX))
+
+
+def test_auto_resume_announces_moves_aside_and_falls_back_from_a_truncated_checkpoint(tmp_path, capsys):
+    good = save(tmp_path, 1, "A")
+    bad = save(tmp_path, 2, "B")
+    (bad / "model.bin").write_bytes(b"B" * 10)  # truncated after the commit
+    assert ck.resolve_resume("auto", tmp_path) == good
+    (line,) = capsys.readouterr().err.strip().splitlines()  # said once, in one line
+    assert line.startswith(f"warning: checkpoint {bad} is damaged (file model.bin has 10 bytes, COMPLETE says 1000)")
+    assert line.endswith("moved to damaged-step_00000002, resuming from step_00000001")
+    evidence = tmp_path / "checkpoints" / "damaged-step_00000002"
+    assert not bad.exists() and (evidence / "model.bin").read_bytes() == b"B" * 10
+    # the run then saves step 2 again, and later ones with keep_last: the evidence is neither overwritten nor pruned
+    assert consistent(save(tmp_path, 2, "C")) == "C"
+    save(tmp_path, 3, "D", keep_last=1)
+    assert (evidence / "model.bin").read_bytes() == b"B" * 10 and damaged_entries(tmp_path) == [evidence.name]
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [3]
+
+
+def test_same_size_corruption_is_caught_by_the_checksum(tmp_path, capsys):
+    good = save(tmp_path, 1, "A")
+    bad = save(tmp_path, 2, "B")
+    flip_byte(bad / "shards" / "rank0.bin")
+    assert ck.checkpoint_problem(bad) is None  # sizes alone cannot see it
+    problem = "file shards/rank0.bin does not match its blake3 checksum in COMPLETE (its content changed)"
+    assert ck.checkpoint_problem(bad, verify=True) == problem
+    with pytest.raises(UserError) as e:  # an explicit path is verified too, and refused in one line
+        ck.resolve_resume(str(bad), tmp_path)
+    assert problem in str(e.value) and str(good) in str(e.value) and "\n" not in str(e.value)
+    assert ck.resolve_resume("auto", tmp_path) == good
+    assert f"warning: checkpoint {bad} is damaged ({problem})" in capsys.readouterr().err
+    assert damaged_entries(tmp_path) == ["damaged-step_00000002"]
+
+
+def test_older_damaged_checkpoints_are_announced_and_moved_aside_too(tmp_path, capsys):
+    old = save(tmp_path, 1, "A")
+    (old / "model.bin").unlink()
+    latest = save(tmp_path, 2, "B")
+    assert ck.resolve_resume("auto", tmp_path) == latest
+    assert capsys.readouterr().err.strip().endswith("moved to damaged-step_00000001, not resumed from")
+    assert damaged_entries(tmp_path) == ["damaged-step_00000001"]
+
+
+def test_every_checkpoint_damaged_refuses_in_one_line_and_moves_nothing(tmp_path):
+    first, second = save(tmp_path, 1, "A"), save(tmp_path, 2, "B")
+    (first / "model.bin").unlink()
+    flip_byte(second / "model.bin")
+    with pytest.raises(UserError) as e:  # not a silent fresh start that would replace the run's history
+        ck.resolve_resume("auto", tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "trainer.resume" in msg and "every checkpoint" in msg and "trainer.resume=never" in msg
+    assert "step_00000002: file model.bin does not match its blake3 checksum" in msg
+    assert "step_00000001: file model.bin listed in COMPLETE is missing" in msg
+    assert first.is_dir() and second.is_dir() and damaged_entries(tmp_path) == []
+
+
+def test_commit_moves_a_damaged_checkpoint_aside_instead_of_deleting_it(tmp_path, capsys):
+    bad = save(tmp_path, 2, "A")
+    (bad / "model.bin").write_bytes(b"x")
+    assert consistent(save(tmp_path, 2, "B")) == "B"
+    assert (tmp_path / "checkpoints" / "damaged-step_00000002" / "model.bin").read_bytes() == b"x"
+    assert "replaced by this save" in capsys.readouterr().err
+    assert consistent(save(tmp_path, 2, "C")) == "C"  # an intact one is replaced as before
+    assert damaged_entries(tmp_path) == ["damaged-step_00000002"] and hidden_entries(tmp_path) == []
+
+
+def test_markers_from_before_checksums_are_checked_by_size(tmp_path):
+    final = save(tmp_path, 1, "A")
+    marker = json.loads((final / "COMPLETE").read_text())
+    del marker["blake3"]
+    (final / "COMPLETE").write_text(json.dumps(marker))
+    assert ck.resolve_resume("auto", tmp_path) == final
+    (final / "model.bin").write_bytes(b"A")
+    assert "model.bin has 1 bytes" in ck.checkpoint_problem(final, verify=True)
 
 
 # --- SIGKILL ------------------------------------------------------------------------------------------------

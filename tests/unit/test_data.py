@@ -97,6 +97,7 @@ def test_math_lighteval_jsonl(tmp_path):
         "train": {
             "rows": 1,
             "skipped_no_answer": 1,
+            "skipped_no_question": 0,
             "duplicates_dropped": 0,
             "path": str(tmp_path / "out" / "train.parquet"),
         }

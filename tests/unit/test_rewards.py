@@ -173,7 +173,9 @@ def test_user_fn_failures_score_zero_and_are_counted(user_file, name):
 
 def test_timeout_scores_zero_and_is_counted(user_file):
     start = time.perf_counter()
-    rewards, metrics = compute_rewards(["a", "a"], ["a", "a"], reward_fn=f"{user_file}:slow", timeout_s=0.2)
+    rewards, metrics = compute_rewards(
+        ["a", "a"], ["a", "a"], reward_fn=f"{user_file}:slow", timeout_s=0.2, num_workers=0
+    )
     assert time.perf_counter() - start < 5
     assert rewards.tolist() == [0.0, 0.0]
     assert metrics["reward/timeouts"] == 2.0 and metrics["reward/errors"] == 0.0
@@ -239,7 +241,7 @@ def test_alarm_leaves_the_callers_timer_alone():
     previous = signal.signal(signal.SIGALRM, callers_handler)
     signal.setitimer(signal.ITIMER_REAL, 30)
     try:
-        compute_rewards(["\\boxed{1}"], ["1"], timeout_s=1.0)
+        compute_rewards(["\\boxed{1}"], ["1"], timeout_s=1.0, num_workers=0)  # the alarm runs in this process
         delay, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 25 < delay <= 30  # still pending, minus the time spent
         assert signal.getsignal(signal.SIGALRM) is callers_handler

@@ -197,24 +197,42 @@ def test_process_start_env():
     assert process_start_env(_cfg(), CUDA) == {} and process_start_env(_cfg(), CPU) == {}
 
 
+class _Ref:
+    """A stand-in ObjectRef: distinct and hashable per call, holding its value."""
+
+    def __init__(self, value):
+        self.value = value
+
+
 def _fake_ray(captured: list[dict]) -> dict[str, types.ModuleType]:
     """Stand-ins for the Ray calls ``WorkerGroup.__init__`` makes; ``options(...)`` keyword arguments are kept."""
+    # each remote() call returns a distinct reference holding its value, as Ray's ObjectRefs do
     handle = SimpleNamespace(
-        address=SimpleNamespace(remote=lambda: ("127.0.0.1", 1)), setup=SimpleNamespace(remote=lambda *a: None)
+        address=SimpleNamespace(remote=lambda: _Ref(("127.0.0.1", 1))),
+        node=SimpleNamespace(remote=lambda: _Ref(("0" * 56, "127.0.0.1"))),
+        setup=SimpleNamespace(remote=lambda *a: _Ref(None)),
     )
     actor = SimpleNamespace(options=lambda **kw: captured.append(kw) or SimpleNamespace(remote=lambda *a: handle))
     ray = types.ModuleType("ray")
     ray.is_initialized = lambda: True
     ray.cluster_resources = lambda: {"CPU": 2.0, "NPU": 2.0}
-    ray.wait = lambda refs, timeout: (refs, [])
-    ray.get = lambda refs: refs
+    ray.wait = lambda refs, timeout, num_returns=1: (refs, [])
+    ray.get = lambda ref: [r.value for r in ref] if isinstance(ref, list) else getattr(ref, "value", ref)
+    exceptions = types.ModuleType("ray.exceptions")
+    exceptions.RayActorError = type("RayActorError", (Exception,), {})
     ray.remote = lambda cls: actor
     pg = types.ModuleType("ray.util.placement_group")
     pg.placement_group = lambda bundles, strategy: SimpleNamespace(ready=lambda: "ready")
     strategies = types.ModuleType("ray.util.scheduling_strategies")
     strategies.PlacementGroupSchedulingStrategy = lambda *a, **k: None
     util = types.ModuleType("ray.util")
-    return {"ray": ray, "ray.util": util, "ray.util.placement_group": pg, "ray.util.scheduling_strategies": strategies}
+    return {
+        "ray": ray,
+        "ray.exceptions": exceptions,
+        "ray.util": util,
+        "ray.util.placement_group": pg,
+        "ray.util.scheduling_strategies": strategies,
+    }
 
 
 def _start_actor_process(env_vars: dict[str, str], tmp_path) -> str:

@@ -42,6 +42,7 @@ CONSOLE_FIGURES = (
     ("step_s", "time/step_s"),
     ("tok/s", "perf/tokens_per_s"),
 )
+VAL_ACCURACY_PREFIX = "val/all/mean@"  # shown as `val=` from the first validation on (gspo_ascend/validation.py)
 
 
 def _clean(metrics: Mapping[str, Any]) -> dict[str, float | None]:
@@ -69,9 +70,14 @@ def format_figure(value: float | None) -> str:
     return f"{value:.4g}"
 
 
-def console_line(step: int, total_steps: int, metrics: Mapping[str, float | None]) -> str:
+def console_line(step: int, total_steps: int, metrics: Mapping[str, float | None], val: float | None = None) -> str:
+    """The step's figures; ``val``, the last validation accuracy (``val/all/mean@n``), once there is one."""
     figures = " ".join(f"{label}={format_figure(metrics.get(key))}" for label, key in CONSOLE_FIGURES)
-    return f"step {step}/{total_steps} {figures}"
+    return f"step {step}/{total_steps} {figures}" + ("" if val is None else f" val={format_figure(val)}")
+
+
+def _validation_accuracy(metrics: Mapping[str, float | None]) -> float | None:
+    return next((v for k, v in metrics.items() if k.startswith(VAL_ACCURACY_PREFIX)), None)
 
 
 class _ConsoleSink:
@@ -80,6 +86,7 @@ class _ConsoleSink:
     def __init__(self, total_steps: int, start_step: int, stream: TextIO | None):
         self.stream = stream if stream is not None else sys.stdout
         self.total_steps = total_steps
+        self.val: float | None = None  # the last validation accuracy, repeated on every line after it
         isatty = getattr(self.stream, "isatty", None)
         self.progress = None
         if callable(isatty) and isatty():
@@ -103,7 +110,9 @@ class _ConsoleSink:
         self.progress.start()
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
-        line = console_line(step, self.total_steps, metrics)
+        val = _validation_accuracy(metrics)
+        self.val = self.val if val is None else val
+        line = console_line(step, self.total_steps, metrics, self.val)
         if self.progress is None:
             print(line, file=self.stream, flush=True)
             return
@@ -146,7 +155,9 @@ class _JsonlSink:
         self.file = open(self.path, "a", encoding="utf-8")  # open until close(): one fsync per step
 
     def _truncate(self, start_step: int) -> None:
-        kept = [r for r in _parse_lines(self.path.read_text(encoding="utf-8"), self.path) if r["step"] <= start_step]
+        records = _parse_lines(self.path.read_text(encoding="utf-8"), self.path)
+        # a fresh run (start_step 0) keeps nothing, not even an earlier run's step-0 validation line
+        kept = [r for r in records if r["step"] <= start_step] if start_step > 0 else []
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
@@ -174,8 +185,9 @@ class _TensorBoardSink:
                 "pip install tensorboard, or remove 'tensorboard' from trainer.loggers"
             ) from exc
         # purge_step hides the events at or after it: those a killed run wrote past its last checkpoint (or,
-        # for a fresh run, start_step=0, those of an earlier run in the same directory), like the JSONL file
-        self.writer = SummaryWriter(str(output_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
+        # for a fresh run, start_step=0, all of an earlier run in the same directory, step 0 included), like the
+        # JSONL file
+        self.writer = SummaryWriter(str(output_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else 0)
         if config_dict is not None and not start_step:
             text = json.dumps(config_dict, indent=2, default=str)
             self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
@@ -245,7 +257,9 @@ class MetricsLogger:
             )
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.total_steps, self.last_step = total_steps, start_step
+        # a fresh run may log step 0 (validation before training: trainer.val_before_train); a resumed one
+        # continues after its checkpoint's step
+        self.total_steps, self.last_step = total_steps, start_step if start_step > 0 else -1
         self.sinks: list[Any] = []
         try:
             for name in dict.fromkeys(loggers):  # a repeated name would log every step twice

@@ -1,10 +1,12 @@
 """``gspo-ascend plot <run_dir>``: PNG training curves from a run's ``metrics.jsonl``, no TensorBoard needed.
 
 Writes ``reward.png`` (reward/mean, reward/accuracy), ``clipfrac.png`` (actor/clipfrac_seq,
-actor/clipfrac_token) and ``response_length.png`` (response/length_mean) into ``run_dir/plots`` (or
-``--output``); a figure none of whose keys were logged is skipped with a note. The three curves are the ones
-the GSPO paper reports (training reward, clipping fraction, response length), so a CPU/NPU run can be checked
-against the paper's shapes at a glance.
+actor/clipfrac_token), ``response_length.png`` (response/length_mean) and, when the run validated,
+``validation.png`` (val/all/mean@n, pass@k, maj@k; ``validation_by_source.png`` with several data sources) into
+``run_dir/plots`` (or ``--output``); a training figure none of whose keys were logged is skipped with a note (the
+validation ones need no note: validation is off unless asked for). The three training curves are the ones the GSPO
+paper reports (training reward, clipping fraction, response length), so a CPU/NPU run can be checked against the
+paper's shapes at a glance.
 
 How we differ from verl: verl leaves plotting to W&B / TensorBoard; here a headless cluster node or CI job gets
 the curves from the JSONL file alone. matplotlib is imported lazily and only through its Agg canvas (no pyplot
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +32,12 @@ FIGURES = (
     ("response_length.png", "response length (tokens)", ("response/length_mean",)),
 )
 FIGSIZE_IN, DPI = (6.4, 4.0), 100  # -> 640 x 400 px
+# validation (gspo_ascend/validation.py): keys carry n and k, so they are found by pattern. validation.png: the
+# overall mean@n, pass@k, maj@k; validation_by_source.png: mean@n of each data source, when there are several.
+VALIDATION_FIGURES = (
+    ("validation.png", "validation accuracy (held-out prompts)", re.compile(r"^val/all/(mean|pass|maj)@\d+$")),
+    ("validation_by_source.png", "validation mean@n per data source", re.compile(r"^val/(?!all/).+/mean@\d+$")),
+)
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -92,6 +101,12 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> tuple[lis
             notes.append(f"{name} skipped: none of {', '.join(keys)} in {JSONL_NAME}")
             continue
         _draw(out_dir / name, ylabel, lines, title=run_dir.resolve().name)
+        written.append(out_dir / name)
+    for name, ylabel, pattern in VALIDATION_FIGURES:
+        keys = sorted({k for record in records for k in record if pattern.match(k)})
+        if len(keys) < (2 if name == "validation_by_source.png" else 1):
+            continue  # no validation; or one data source, which validation.png shows already
+        _draw(out_dir / name, ylabel, {key: _series(records, key) for key in keys}, title=run_dir.resolve().name)
         written.append(out_dir / name)
     return written, notes
 

@@ -36,6 +36,9 @@ from .errors import UserError
 RECIPE_VERSION = 2  # bump when the recipe changes: ensure_tiny_model() then rebuilds cached models
 # 2: the tokenizer lists model_input_names (transformers 4.x would add token_type_ids); weights unchanged
 SYNTHETIC_DATA_SOURCE = "gspo_ascend/synthetic_arithmetic"
+# 2: "train" and "test" draw disjoint problems (a held-out quarter); the embedded data directory is named after it
+SYNTHETIC_VERSION = 2
+HELD_OUT_FRACTION = 0.25
 MANIFEST = "gspo_tiny_manifest.json"
 PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen2.5/Qwen3's chat layout without tools or <think> blocks; `add_generation_prompt` opens the assistant turn.
@@ -74,6 +77,36 @@ class TinySpec:
     noisy_lr: float = 3e-4
     eval_prompts: int = 128
     eval_max_new_tokens: int = 32
+    # "small" size: after the answer, a geometric number of "Check:" lines (this mean; 0 = none, the shipped tiny
+    # models), capped at max_check_lines, so sampled responses have a long right-skewed length distribution
+    check_lines_mean: float = 0.0
+    max_check_lines: int = 0
+
+
+# Named sizes of make-tiny-model (TinySpec overrides). "small" is the benchmark's model (benchmarks/README.md):
+# ~22M parameters, GQA 8/4 heads, trained to check its answer a geometric number of times (mean 6 lines, ~11 tokens
+# each), so temperature-1 samples run from ~20 tokens to hundreds with a long tail; its warm start packs each batch
+# into one row (no padding; the tiny recipe keeps its padded batches, so cached tiny models stay valid).
+SIZES: dict[str, dict] = {
+    "tiny": {},
+    "small": dict(
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1792,
+        max_position_embeddings=2048,
+        sft_steps=100,
+        noisy_sft_steps=20,
+        batch_size=32,
+        lr=1.5e-3,
+        noisy_lr=3e-4,
+        eval_prompts=64,
+        eval_max_new_tokens=512,
+        check_lines_mean=6.0,
+        max_check_lines=48,
+    ),
+}
 
 
 # ----------------------------------------------------------------------------------------------- the task
@@ -87,24 +120,64 @@ def _problem(rng: random.Random, max_operand: int) -> tuple[int, str, int, int]:
     return a, op, b, a + b if op == "+" else a - b
 
 
-def synthetic_arithmetic(n: int, seed: int = 0, *, split: str = "train", max_operand: int = 9) -> list[dict]:
+def problem_space(max_operand: int = 9) -> list[tuple[int, str, int]]:
+    """Every distinct problem ``(a, op, b)`` of the task: a + b, and a - b with a >= b (results stay >= 0)."""
+    plus = [(a, "+", b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    return plus + [(a, "-", b) for a in range(max_operand + 1) for b in range(a + 1)]
+
+
+def held_out_problems(max_operand: int = 9) -> frozenset[tuple[int, str, int]]:
+    """The problems RL never trains on: a fixed quarter of :func:`problem_space` (the same for every seed, so runs
+    with different seeds validate on the same problems). The "train" split draws only the others, "test" only these."""
+    space = problem_space(max_operand)
+    rng = random.Random(f"gspo-ascend:held-out:{max_operand}")
+    return frozenset(rng.sample(space, round(len(space) * HELD_OUT_FRACTION)))
+
+
+def synthetic_arithmetic(
+    n: int, seed: int = 0, *, split: str = "train", max_operand: int = 9, distinct: bool = False
+) -> list[dict]:
     """``n`` records ``{"prompt": [chat messages], "answer": "12", "a", "op", "b"}`` of "What is a +/- b?".
 
-    ``split`` names an independent random stream: "sft" (the warm start), "train" (RL prompts), "test".
-    The problem space is small (0..max_operand, + and -), so splits are disjoint *draws* of one
-    distribution, not disjoint problems: the task measures whether RL sharpens what the model half-knows.
+    ``split`` names an independent random stream: "sft" (the warm start), "train" (RL prompts), "test". The
+    problem space is small (0..max_operand, + and -: 155 problems at 9), so "train" and "test" draw from disjoint
+    sets of problems (:func:`held_out_problems`): validation accuracy on "test" measures prompts RL never saw.
+    Any other split (the warm start's) draws from every problem, so the warm start has seen the held-out problems
+    with its noisy labels: what RL can show there is that sharpening the arithmetic it half-knows carries over.
+    ``distinct``: no problem twice, so at most as many records as the split has problems (an evaluation set:
+    a repeat would only re-weight a problem, and cost a greedy validation time for the same answer).
     """
     rng = random.Random(f"gspo-ascend:{seed}:{split}")  # str seeds hash with sha512: stable across runs
-    records = []
-    for _ in range(n):
+    held_out = held_out_problems(max_operand) if split in ("train", "test") else None
+    available = len(problem_space(max_operand))
+    if held_out is not None:
+        available = len(held_out) if split == "test" else available - len(held_out)
+    records, seen = [], set()
+    while len(records) < (min(n, available) if distinct else n):
         a, op, b, c = _problem(rng, max_operand)
+        if held_out is not None and ((a, op, b) in held_out) != (split == "test"):
+            continue  # rejection keeps each split's draw distribution that of the whole task, restricted
+        if distinct and (a, op, b) in seen:
+            continue
+        seen.add((a, op, b))
         content = QUESTION.format(a=a, op=op, b=b)
         records.append({"prompt": [{"role": "user", "content": content}], "answer": str(c), "a": a, "op": op, "b": b})
     return records
 
 
-def solution_text(a: int, op: str, b: int, answer: int) -> str:
-    return f"{a} {op} {b} = {answer}. \\boxed{{{answer}}}"
+def solution_text(a: int, op: str, b: int, answer: int, checks: int = 0) -> str:
+    check = f" Check: {a} {op} {b} = {answer}." * checks
+    return f"{a} {op} {b} = {answer}.{check} \\boxed{{{answer}}}"
+
+
+def check_lines(rng: random.Random, mean: float, cap: int) -> int:
+    """A geometric number of check lines (P(k) = (1 - q) q^k, mean ``mean``), at most ``cap``; 0 when mean is 0."""
+    if mean <= 0:
+        return 0  # draws nothing: the tiny recipe's random streams are unchanged
+    k, go_on = 0, mean / (mean + 1.0)
+    while k < cap and rng.random() < go_on:
+        k += 1
+    return k
 
 
 def _noisy_answer(rng: random.Random, correct: int, p_correct: float) -> int:
@@ -117,19 +190,21 @@ def _noisy_answer(rng: random.Random, correct: int, p_correct: float) -> int:
 # ----------------------------------------------------------------------------------------------- tokenizer
 
 
-def _corpus(seed: int, max_operand: int) -> list[str]:
+def _corpus(seed: int, max_operand: int, checks: bool = False) -> list[str]:
     from .data.prepare import INSTRUCTION
 
     records = synthetic_arithmetic(2000, seed, split="sft", max_operand=max_operand)
     texts = [
         r["prompt"][0]["content"] + "\n" + solution_text(r["a"], r["op"], r["b"], int(r["answer"])) for r in records
     ]
+    if checks:  # the "small" size's check lines get their own merges (~11 tokens a line instead of ~15)
+        texts += [solution_text(r["a"], r["op"], r["b"], int(r["answer"]), checks=2) for r in records[:500]]
     # A little general math prose so the vocabulary is not only the task's dozen words.
     texts += [INSTRUCTION, "The answer is the sum of the two numbers. Let us think step by step: add, then check."]
     return texts
 
 
-def build_tokenizer(seed: int = 0, vocab_size: int = 512, max_operand: int = 9):
+def build_tokenizer(seed: int = 0, vocab_size: int = 512, max_operand: int = 9, checks: bool = False):
     """A byte-level BPE tokenizer trained here (no download), as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -146,7 +221,7 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 512, max_operand: int = 9):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed, max_operand), trainer)
+    tok.train_from_iterator(_corpus(seed, max_operand, checks), trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
@@ -209,18 +284,28 @@ def build_model(spec: TinySpec, tokenizer, seed: int):
 # ----------------------------------------------------------------------------------------------- warm start
 
 
-def encode_example(tokenizer, record: dict, answer: int) -> tuple[list[int], list[int]]:
+def encode_example(tokenizer, record: dict, answer: int, checks: int = 0) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids + eos). Encoded apart so no BPE merge crosses the prompt/response boundary."""
     prompt = tokenizer.apply_chat_template(record["prompt"], add_generation_prompt=True, tokenize=False)
-    response = solution_text(record["a"], record["op"], record["b"], answer)
+    response = solution_text(record["a"], record["op"], record["b"], answer, checks)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     return prompt_ids, tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
 def sft_examples(tokenizer, spec: TinySpec, seed: int, steps: int, p_correct: float, stream: str) -> list:
     rng = random.Random(f"gspo-ascend:{seed}:{stream}:labels")
+    lines = random.Random(f"gspo-ascend:{seed}:{stream}:checks")
     records = synthetic_arithmetic(steps * spec.batch_size, seed, split=stream, max_operand=spec.max_operand)
-    return [encode_example(tokenizer, r, _noisy_answer(rng, int(r["answer"]), p_correct)) for r in records]
+    examples = [
+        encode_example(
+            tokenizer,
+            r,
+            _noisy_answer(rng, int(r["answer"]), p_correct),
+            check_lines(lines, spec.check_lines_mean, spec.max_check_lines),
+        )
+        for r in records
+    ]
+    return examples
 
 
 def _collate(batch: list, pad_id: int):
@@ -238,9 +323,36 @@ def _collate(batch: list, pad_id: int):
     return ids, mask, labels
 
 
-def supervised_pass(model, examples: list, *, batch_size: int, lr: float, pad_id: int, warmup: int = 10) -> list[float]:
-    """One pass over ``examples`` in order, AdamW with warm-up + cosine decay; returns the loss of each step."""
+def _packed(batch: list) -> tuple[dict, list[int]]:
+    """One row holding every example (positions restarting per example) and the labels of its responses; the
+    first token of each example is a prompt token (label -100), so no loss crosses an example boundary."""
     import torch
+
+    ids, pos, labels, lengths = [], [], [], []
+    for p, r in batch:
+        ids += p + r
+        pos += range(len(p) + len(r))
+        labels += [-100] * len(p) + r
+        lengths.append(len(p) + len(r))
+    row = {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]), "labels": torch.tensor([labels])}
+    return row, lengths
+
+
+def supervised_pass(
+    model, examples: list, *, batch_size: int, lr: float, pad_id: int, warmup: int = 10, packed: bool = False
+) -> list[float]:
+    """One pass over ``examples`` in order, AdamW with warm-up + cosine decay; returns the loss of each step.
+
+    ``packed``: each batch is one row attended per example (engines/packed_attention.py), no padding; the loss is
+    the same mean over the batch's response tokens. The "small" size's lengths are skewed (20 to 500+ tokens), so
+    padding a batch to its longest would cost ~3x the tokens. The tiny models keep the padded batches they were
+    built with (bitwise-identical weights)."""
+    import torch
+
+    from .engines import packed_attention
+
+    if packed and not packed_attention.enable(model):
+        raise ValueError(f"packed warm start needs sdpa or eager attention, not {model.config._attn_implementation}")
 
     steps = len(examples) // batch_size
     if steps == 0:
@@ -252,8 +364,14 @@ def supervised_pass(model, examples: list, *, batch_size: int, lr: float, pad_id
     model.train()
     losses = []
     for step in range(steps):
-        ids, mask, labels = _collate(examples[step * batch_size : (step + 1) * batch_size], pad_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        batch = examples[step * batch_size : (step + 1) * batch_size]
+        if packed:
+            row, lengths = _packed(batch)
+            with packed_attention.packed_forward():
+                loss = model(**row, use_cache=False, **packed_attention.forward_kwargs(model, lengths, "cpu")).loss
+        else:
+            ids, mask, labels = _collate(batch, pad_id)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -299,14 +417,20 @@ def gspo_home() -> Path:
     return Path(os.environ.get("GSPO_HOME") or Path.home() / ".cache" / "gspo-ascend").expanduser()
 
 
-def default_tiny_dir(moe: bool = False) -> Path:
-    return gspo_home() / ("tiny-qwen3-moe" if moe else "tiny-qwen3")
+def default_tiny_dir(moe: bool = False, size: str = "tiny") -> Path:
+    return gspo_home() / (f"{size}-qwen3-moe" if moe else f"{size}-qwen3")
+
+
+def _size_overrides(size: str, overrides: dict) -> dict:
+    if size not in SIZES:
+        raise UserError(f"unknown tiny-model size '{size}'; valid sizes: {', '.join(SIZES)}")
+    return {**SIZES[size], **overrides}
 
 
 def _warm_start(model, tokenizer, spec: TinySpec, seed: int) -> dict:
     clean = sft_examples(tokenizer, spec, seed, spec.sft_steps, 1.0, "sft")
     noisy = sft_examples(tokenizer, spec, seed, spec.noisy_sft_steps, spec.noisy_p_correct, "sft-noisy")
-    kw = dict(batch_size=spec.batch_size, pad_id=tokenizer.pad_token_id)
+    kw = dict(batch_size=spec.batch_size, pad_id=tokenizer.pad_token_id, packed=spec.check_lines_mean > 0)
     clean_losses = supervised_pass(model, clean, lr=spec.lr, **kw)
     noisy_losses = supervised_pass(model, noisy, lr=spec.noisy_lr, **kw)
     return {
@@ -327,12 +451,20 @@ def _evaluate(model, tokenizer, spec: TinySpec, seed: int) -> dict:
     kw = dict(max_new_tokens=spec.eval_max_new_tokens, seed=seed)
     sampled, texts = sample_accuracy(model, tokenizer, records, temperature=1.0, **kw)
     greedy, _ = sample_accuracy(model, tokenizer, records, temperature=0.0, **kw)
+    # response tokens of the temperature-1 samples (the eos a finished one ended with included)
+    lengths = sorted(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
     return {
         "sampled_t1": sampled,
         "greedy": greedy,
         "num_prompts": len(records),
         "split": "train",
         "max_new_tokens": spec.eval_max_new_tokens,
+        "sampled_length": {
+            "mean": round(sum(lengths) / len(lengths), 1) if lengths else 0.0,
+            "median": lengths[len(lengths) // 2] if lengths else 0,
+            "max": min(lengths[-1], spec.eval_max_new_tokens) if lengths else 0,
+            "at_limit": sum(n > spec.eval_max_new_tokens for n in lengths) / max(len(lengths), 1),
+        },
         "example": texts[0] if texts else "",
     }
 
@@ -362,22 +494,24 @@ def make_tiny_model(
     sft_steps: int | None = None,
     noisy_sft_steps: int | None = None,
     evaluate: bool = True,
+    size: str = "tiny",
     **overrides,
 ) -> dict:
     """Build, warm-start, evaluate and save a tiny model + tokenizer into ``output_dir``; returns the manifest.
 
-    ``output_dir`` None = :func:`default_tiny_dir`. ``overrides`` are :class:`TinySpec` fields (tests shrink
-    the model with them). The directory is written next to the target and renamed into place, so a reader
-    never sees a half-built model; an existing tiny-model directory is replaced.
+    ``output_dir`` None = :func:`default_tiny_dir`. ``size`` names a preset of :data:`SIZES`; ``overrides`` are
+    :class:`TinySpec` fields on top of it (tests shrink the model with them). The directory is written next to the
+    target and renamed into place, so a reader never sees a half-built model; an existing tiny-model directory is
+    replaced.
     """
-    spec = replace(TinySpec(moe=moe), **overrides)
+    spec = replace(TinySpec(moe=moe), **_size_overrides(size, overrides))
     spec = replace(spec, sft_steps=spec.sft_steps if sft_steps is None else sft_steps)
     spec = replace(spec, noisy_sft_steps=spec.noisy_sft_steps if noisy_sft_steps is None else noisy_sft_steps)
-    out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe)
+    out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe, size)
     _check_output_dir(out)
     start = time.perf_counter()
     with _deterministic():
-        tokenizer = build_tokenizer(seed, spec.vocab_size, spec.max_operand)
+        tokenizer = build_tokenizer(seed, spec.vocab_size, spec.max_operand, checks=spec.check_lines_mean > 0)
         model = build_model(spec, tokenizer, seed)
         sft = _warm_start(model, tokenizer, spec, seed)
         accuracy = _evaluate(model, tokenizer, spec, seed) if evaluate else None
@@ -466,18 +600,22 @@ def read_manifest(path: str | Path) -> dict | None:
         return None
 
 
-def ensure_tiny_model(moe: bool = False, output_dir: str | Path | None = None, seed: int = 0, **overrides) -> Path:
+def ensure_tiny_model(
+    moe: bool = False, output_dir: str | Path | None = None, seed: int = 0, size: str = "tiny", **overrides
+) -> Path:
     """The tiny model directory (what ``model.path: ""`` means), built first unless an identical recipe is there.
 
-    "Identical" = same recipe version, seed and :class:`TinySpec` (defaults + ``overrides``); anything else,
-    e.g. a cache from an older release, is rebuilt.
+    "Identical" = same recipe version, seed and :class:`TinySpec` (defaults + ``size``'s preset + ``overrides``);
+    anything else, e.g. a cache from an older release, is rebuilt. A manifest written before a TinySpec field
+    existed was built with that field's default (new fields default to the old recipe), so it counts as such.
     """
-    out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe)
-    wanted = asdict(replace(TinySpec(moe=moe), **overrides))
+    out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe, size)
+    wanted = asdict(replace(TinySpec(moe=moe), **_size_overrides(size, overrides)))
     manifest = read_manifest(out) or {}
-    current = (manifest.get("recipe_version"), manifest.get("seed"), manifest.get("spec"))
-    if current != (RECIPE_VERSION, seed, wanted):
-        make_tiny_model(out, moe=moe, seed=seed, **overrides)
+    spec = manifest.get("spec")
+    spec = {**asdict(TinySpec(moe=moe)), **spec} if isinstance(spec, dict) else spec
+    if (manifest.get("recipe_version"), manifest.get("seed"), spec) != (RECIPE_VERSION, seed, wanted):
+        make_tiny_model(out, moe=moe, seed=seed, size=size, **overrides)
     return out
 
 
@@ -485,12 +623,18 @@ def ensure_tiny_model(moe: bool = False, output_dir: str | Path | None = None, s
 
 
 def add_make_tiny_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output-dir", help="default: $GSPO_HOME/tiny-qwen3[-moe] ($GSPO_HOME: ~/.cache/gspo-ascend)")
+    p.add_argument("--output-dir", help="default: $GSPO_HOME/<size>-qwen3[-moe] ($GSPO_HOME: ~/.cache/gspo-ascend)")
     p.add_argument("--moe", action="store_true", help="build the Qwen3-MoE variant (4 experts, top-2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=None, help=f"clean warm-start steps (default {TinySpec.sft_steps})")
     p.add_argument(
-        "--noisy-sft-steps", type=int, default=None, help=f"flattening steps (default {TinySpec.noisy_sft_steps})"
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny (default: ~0.4M parameters, short answers) | small (~22M, long skewed responses: the benchmark's)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-steps", type=int, default=None, help=f"clean warm-start steps (tiny: {TinySpec.sft_steps})")
+    p.add_argument(
+        "--noisy-sft-steps", type=int, default=None, help=f"flattening steps (tiny: {TinySpec.noisy_sft_steps})"
     )
 
 
@@ -501,12 +645,16 @@ def main_make_tiny_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         sft_steps=args.sft_steps,
         noisy_sft_steps=args.noisy_sft_steps,
+        size=args.size,
     )
-    out = args.output_dir or default_tiny_dir(args.moe)
+    out = args.output_dir or default_tiny_dir(args.moe, args.size)
     acc = manifest["initial_accuracy"]
+    n = acc["sampled_length"]
     print(
         f"{manifest['architecture']} ({manifest['num_parameters']:,} parameters) -> {out}\n"
         f"built in {manifest['build_seconds']} s; initial accuracy on {acc['num_prompts']} prompts: "
-        f"{acc['sampled_t1']:.2f} sampled at temperature 1, {acc['greedy']:.2f} greedy"
+        f"{acc['sampled_t1']:.2f} sampled at temperature 1, {acc['greedy']:.2f} greedy\n"
+        f"sampled response tokens: mean {n['mean']}, median {n['median']}, max {n['max']}, "
+        f"{n['at_limit']:.0%} at the {acc['max_new_tokens']}-token limit"
     )
     return 0

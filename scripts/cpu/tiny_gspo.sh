@@ -18,7 +18,8 @@ MAKE_MODEL=(make-tiny-model)              # built on first use, where the traine
 MAKE_DATA=(prepare-data --kind synthetic) # the synthetic arithmetic task
 : "${CONFIG:=$REPO/configs/tiny_gspo.yaml}"
 : "${MODEL_PATH:=${GSPO_HOME:-$HOME/.cache/gspo-ascend}/tiny-qwen3}"
-: "${DATA_DIR:=${GSPO_HOME:-$HOME/.cache/gspo-ascend}/data/synthetic}"
+: "${DATA_DIR:=${GSPO_HOME:-$HOME/.cache/gspo-ascend}/data/synthetic-v2}" # v2: with the held-out split
+: "${VAL_FILES:=$DATA_DIR/test.parquet}" # the held-out problems configs/tiny_gspo.yaml validates on
 : "${NNODES:=1}"
 : "${DEVICES_PER_NODE:=1}"
 

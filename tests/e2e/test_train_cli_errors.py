@@ -107,3 +107,78 @@ def test_nothing_written_on_bad_input(capsys, tmp_path):
     out = tmp_path / "run"
     code, _ = run_main(capsys, "data.max_response_length=0", f"trainer.output_dir={out}")
     assert code == 2 and not out.exists()
+
+
+# --- validation (trainer.test_freq, data.val_files) and `gspo-ascend eval` --------------------------------------
+
+
+@pytest.fixture
+def train_file(tmp_path):
+    return write_jsonl(
+        tmp_path / "train.jsonl", [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(16)]
+    )
+
+
+def write_empty_parquet(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("val_file", "fragments"),
+    [
+        (lambda d: str(d / "nope.parquet"), ["data.val_files", "nope.parquet", "does not exist"]),
+        (lambda d: write_jsonl(d / "empty.jsonl", []), ["data.val_files", "empty.jsonl", "empty"]),
+        (lambda d: write_empty_parquet(d / "empty.parquet"), ["data.val_files", "empty.parquet", "empty (no rows)"]),
+    ],
+)
+def test_missing_or_empty_val_file(capsys, tmp_path, tiny, train_file, val_file, fragments):
+    out = tmp_path / "run"
+    args = (f"model.path={tiny}", f"data.train_files=[{train_file}]", f"trainer.output_dir={out}")
+    code, err = run_main(capsys, *args, f"data.val_files=[{val_file(tmp_path)}]", "trainer.test_freq=2")
+    assert_one_line(code, err, *fragments)
+    assert not out.exists()  # refused before Ray, before the run directory
+
+
+def test_validation_on_without_val_files(capsys, tmp_path, tiny, train_file):
+    # configs/tiny_gspo.yaml validates; with the user's own data there is no held-out split to fall back on
+    code, err = run_main(
+        capsys, f"model.path={tiny}", f"data.train_files=[{train_file}]", f"trainer.output_dir={tmp_path}"
+    )
+    assert_one_line(code, err, "data.val_files is empty", "trainer.test_freq=0 trainer.val_before_train=false")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["trainer.test_freq=-1"], ["'trainer.test_freq' must be >= 0"]),
+        (
+            ["validation.greedy=false", "validation.n=4", "validation.k=[2,8]"],
+            ["validation.k", "k=8", "validation.n (samples per prompt, 4)"],
+        ),
+    ],
+)
+def test_bad_validation_keys(capsys, tmp_path, overrides, fragments):
+    code, err = run_main(capsys, *overrides, f"trainer.output_dir={tmp_path / 'run'}")
+    assert_one_line(code, err, *fragments)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--data", "{tmp}/nope.parquet"], ["data.val_files", "nope.parquet", "does not exist"]),
+        (["--data", "{train}", "validation.k=[3]"], ["validation.k", "k=3"]),
+        ([], ["eval needs prompts", "--data"]),
+        (["--data", "{train}", "--model", "{tmp}/no-model"], ["model.path", "no-model", "does not exist"]),
+    ],
+)
+def test_eval_bad_input_is_one_line(capsys, tmp_path, tiny, train_file, args, fragments):
+    args = [a.format(tmp=tmp_path, train=train_file) for a in args]
+    model = ["--model", tiny] if "--model" not in args else []
+    code = main(["eval", *model, *args, "--output", str(tmp_path / "out")])
+    assert_one_line(code, capsys.readouterr().err, *fragments)
+    assert not (tmp_path / "out").exists()

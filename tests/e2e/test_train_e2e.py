@@ -5,6 +5,8 @@
   see GAP_PREFIX) and bitwise-identical final weights.
 - The run directory holds what the docs promise: metrics.jsonl, TensorBoard events, checkpoints, an HF export
   that AutoModelForCausalLM loads, and `gspo-ascend plot` turns it into PNGs.
+- Greedy validation accuracy on the held-out problems rises, and `gspo-ascend eval` on the export reproduces the
+  run's last validation metrics and responses.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def test_gspo_improves_reward_and_writes_a_complete_run(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    lines = read_metrics(out)
+    assert [r["step"] for r in lines] == list(range(0, steps + 1))  # step 0: validation before training
+    rows = lines[1:]
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     assert last > first + 0.1, rewards  # measured: ~0.33 -> ~0.55 at this seed
@@ -97,6 +100,49 @@ def test_gspo_improves_reward_and_writes_a_complete_run(tmp_path):
     )
     assert plot.returncode == 0, plot.stderr
     assert (out / "plots" / "reward.png").stat().st_size > 1000
+    assert (out / "plots" / "validation.png").stat().st_size > 1000
+    check_validation(out, lines, proc.stdout, tmp_path)
+
+
+ACC = "val/all/mean@1"  # configs/tiny_gspo.yaml: greedy, one response per held-out problem
+
+
+def check_validation(out: Path, lines: list[dict], stdout: str, tmp_path: Path) -> None:
+    """The default run validates greedy accuracy on the 39 held-out problems at steps 0, 5, 10, ... and the last;
+    it rises; `gspo-ascend eval` on the run's export reproduces the last validation, response for response."""
+    from gspo_ascend.metrics import format_figure
+    from gspo_ascend.runtime import embedded_data_dir
+
+    val = {r["step"]: r for r in lines if ACC in r}
+    steps = max(val)
+    assert sorted(val) == sorted({0, steps} | set(range(0, steps + 1, 5)))
+    assert all(v["val/all/prompts"] == 39 for v in val.values())
+    first, last = val[0][ACC], val[steps][ACC]
+    assert last >= first + 0.2, {s: v[ACC] for s, v in val.items()}  # measured at this seed: 0.31 -> 0.67
+    last_line = next(line for line in stdout.splitlines() if line.startswith(f"step {steps}/{steps} "))
+    assert last_line.endswith(f" val={format_figure(last)}")  # the console shows the last validation accuracy
+    # the responses of the first validation.log_prompts (16) prompts, readable
+    answers = [json.loads(x) for x in (out / "validation" / f"step_{steps:08d}.jsonl").read_text().splitlines()]
+    assert len(answers) == 16 and {"prompt", "response", "answer", "ground_truth", "reward"} <= set(answers[0])
+    assert sum(a["acc"] for a in answers) == sum(a["answer"] == a["ground_truth"] for a in answers)
+
+    # eval on the export: same prompts, same seed (from config.json), in this process instead of a Ray worker
+    test_file = embedded_data_dir() / "test.parquet"
+    evaluated = tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gspo_ascend.cli", "eval", "--model", str(out / "hf"), "--data", str(test_file)]
+        + ["--config", str(out / "config.json"), "--output", str(evaluated)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((evaluated / "eval.json").read_text())
+    assert report["metrics"] == {k: v for k, v in val[steps].items() if k.startswith("val/")}
+    generated = [json.loads(x) for x in (evaluated / "generations.jsonl").read_text().splitlines()]
+    assert [g["response"] for g in generated[:16]] == [a["response"] for a in answers]
+    assert "| data source |" in proc.stdout and "eval: 1/1 batches, 39/39 prompts" in proc.stderr
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -122,14 +168,16 @@ def test_kill_9_and_resume_equals_an_uninterrupted_run(tmp_path):
     finally:
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    assert len(read_metrics(resumed)) < 6  # it really died before the end
+    assert len(read_metrics(resumed)) < 7  # it really died before the end (steps 0..6 when complete)
     again = subprocess.run(train_cmd(resumed, *common), capture_output=True, text=True, cwd=REPO, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout
 
     ours, theirs = read_metrics(resumed), read_metrics(straight)
     assert trajectory(ours) == trajectory(theirs)
-    for row in ours + theirs:  # the diagnostic only: see GAP_PREFIX
+    # the validation schedule survived the kill: step 0 from the first process, 5 and the last from the second
+    assert [r["step"] for r in ours if "val/all/mean@1" in r] == [0, 5, 6]
+    for row in ours[1:] + theirs[1:]:  # the diagnostic only: see GAP_PREFIX
         assert row["rollout/logprob_gap_max"] < 1e-4, row
     a, b = final_weights(straight), final_weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -158,8 +206,10 @@ def test_two_emulated_npus_with_engine_log_probs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the fsdp and hf engines ran on torch_npu's fused ops (the shim's), summary printed once by rank 0
     assert (proc.stdout + proc.stderr).count("NPU patches for qwen3") == 1, proc.stdout[-3000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    lines = read_metrics(out)
+    assert [r["step"] for r in lines] == [0, 1, 2]  # the default config validates before training and at the end
+    assert lines[0]["val/all/prompts"] == 39 and "val/all/mean@1" in lines[2]  # chunks spread over 2 workers
+    rows = lines[1:]
     assert all("time/old_log_prob_s" in r and r["time/old_log_prob_s"] < 0.01 for r in rows)  # no recompute
     assert "rollout/logprob_gap_mean" not in rows[0]
     assert all(0 <= r["actor/clipfrac_seq"] <= 1 and r["sync/bytes"] > 1e6 for r in rows)
@@ -182,8 +232,11 @@ def test_megatron_and_vllm_train_save_and_resume(tmp_path):
     second = subprocess.run(train_cmd(out, *common, "trainer.total_steps=3"), capture_output=True, text=True, cwd=REPO)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step_00000002" in second.stdout
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    lines = read_metrics(out)
+    assert [r["step"] for r in lines] == [0, 1, 2, 3]
+    # validated (greedy, vLLM) before training, at the first invocation's last step and at the resumed one's
+    assert [r["step"] for r in lines if "val/all/mean@1" in r] == [0, 2, 3]
+    rows = lines[1:]
     assert all(0 <= r["reward/mean"] <= 1 and r["sync/bytes"] > 1e6 for r in rows)
     # vLLM's log-probs of its own samples against the Megatron engine's recompute: fp32 CPU, same weights
     assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows)
@@ -197,6 +250,7 @@ def test_vllm_rollout_tensor_parallel_2_inside_the_training_world(tmp_path):
     small = ("trainer.total_steps=2", "data.train_batch_size=8", "rollout.n=4")
     proc = subprocess.run(train_cmd(out, *overrides, *small), capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    lines = read_metrics(out)
+    assert [r["step"] for r in lines] == [0, 1, 2]  # step 0: validation, both ranks of the TP group in lockstep
+    rows = lines[1:]
     assert all(r["rollout/logprob_gap_max"] < 1e-3 and r["sync/bytes"] > 1e6 for r in rows)

@@ -98,7 +98,7 @@ def test_end_of_run_summary_names_the_outputs_and_the_commands(tmp_path):
         f"  gspo-ascend plot '{run}'   # PNG curves into {run}/plots",
         f"  tensorboard --logdir '{run}/tensorboard'",
     ]
-    assert not any("eval" in line for line in lines)  # no `gspo-ascend eval` yet: never advertise it
+    assert not any("eval" in line for line in lines)  # no validation files: no `gspo-ascend eval` to reproduce
 
 
 def test_end_of_run_summary_explains_what_was_not_written(tmp_path):

@@ -317,3 +317,55 @@ def test_plot_reports_a_missing_matplotlib_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"pip install matplotlib==") as e:
         plot.plot_run(run_dir)
     assert "\n" not in str(e.value)
+
+
+# --- validation: step 0, the console's val figure, its plot ----------------------------------------------------
+
+
+def test_fresh_run_logs_step_0_which_a_resume_keeps_and_a_fresh_run_drops(tmp_path):
+    out = io.StringIO()
+    with M.MetricsLogger(tmp_path, ["jsonl", "console"], total_steps=4, console_stream=out) as logger:
+        logger.log(0, {"val/all/mean@1": 0.25})  # trainer.val_before_train: the initial weights
+        logger.log(1, {"reward/mean": 0.5})
+        logger.log(2, {"reward/mean": 0.5, "val/all/mean@1": 0.5})
+        logger.log(3, {"reward/mean": 0.75})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 0/4 reward=- clip_seq=- kl=- resp_len=- step_s=- tok/s=- val=0.25"
+    assert lines[1].endswith("tok/s=- val=0.25") and lines[2].endswith(" val=0.5") and lines[3].endswith(" val=0.5")
+    with M.MetricsLogger(tmp_path, ["jsonl"], total_steps=4, start_step=2) as logger:  # resumed from step_2
+        with pytest.raises(ValueError, match="step 0"):
+            logger.log(0, {"val/all/mean@1": 0.25})
+    assert [r["step"] for r in jsonl_lines(tmp_path)] == [0, 1, 2]
+    with M.MetricsLogger(tmp_path, ["jsonl"], total_steps=4):  # a fresh run in the same directory
+        pass
+    assert jsonl_lines(tmp_path) == []
+
+
+def test_console_without_validation_has_no_val_figure(tmp_path):
+    out = io.StringIO()
+    with M.MetricsLogger(tmp_path, ["console"], total_steps=1, console_stream=out) as logger:
+        logger.log(1, {"reward/mean": 0.5})
+    assert "val=" not in out.getvalue()
+
+
+def test_tensorboard_fresh_run_purges_an_earlier_step_0(tmp_path):
+    with M.MetricsLogger(tmp_path, ["tensorboard"], total_steps=2) as logger:
+        logger.log(0, {"val/all/mean@1": 0.25})
+        logger.log(1, {"val/all/mean@1": 0.5})
+    assert _scalars(tmp_path / "tensorboard", "val/all/mean@1") == [(0, 0.25), (1, 0.5)]
+    with M.MetricsLogger(tmp_path, ["tensorboard"], total_steps=2) as logger:
+        logger.log(0, {"val/all/mean@1": 0.75})
+    assert _scalars(tmp_path / "tensorboard", "val/all/mean@1") == [(0, 0.75)]
+
+
+def test_plot_draws_validation_curves(tmp_path):
+    run_dir = tmp_path / "run"
+    with M.MetricsLogger(run_dir, ["jsonl"], total_steps=4) as logger:
+        logger.log(0, {"val/all/mean@4": 0.2, "val/all/pass@4": 0.5, "val/a/mean@4": 0.1, "val/b/mean@4": 0.3})
+        for step in range(1, 5):
+            val = {"val/all/mean@4": 0.4, "val/all/pass@4": 0.7, "val/a/mean@4": 0.3, "val/b/mean@4": 0.5}
+            logger.log(step, {"reward/mean": step / 4, "response/length_mean": 30, **(val if step == 4 else {})})
+    written, _ = plot.plot_run(run_dir)
+    assert [p.name for p in written][-2:] == ["validation.png", "validation_by_source.png"]
+    assert has_colour(run_dir / "plots" / "validation.png", (0xFF, 0x7F, 0x0E))  # two overall curves
+    assert has_colour(run_dir / "plots" / "validation_by_source.png", (0xFF, 0x7F, 0x0E))  # two sources

@@ -157,3 +157,67 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match="not a tiny-model directory"):
         make_tiny_model(tmp_path / "mine", **SMALL)
+
+
+# ----------------------------------------------------------------------------------------------- the "small" size
+
+
+def test_check_lines_are_geometric_and_capped():
+    import random
+
+    from gspo_ascend.tiny import check_lines
+
+    rng = random.Random(0)
+    state = rng.getstate()
+    assert check_lines(rng, 0.0, 48) == 0 and rng.getstate() == state  # mean 0: no draw, the tiny recipe's stream
+    draws = [check_lines(rng, 6.0, 48) for _ in range(20000)]
+    # P(k) = (1 - q) q^k with q = 6 / 7: P(0) = 1/7, mean 6 (the cap at 48 removes q^49 ~ 5e-4 of the mass)
+    assert abs(draws.count(0) / len(draws) - 1 / 7) < 0.01
+    assert abs(sum(draws) / len(draws) - 6.0) < 0.25
+    assert max(draws) <= 48 and max(check_lines(rng, 6.0, 3) for _ in range(500)) == 3
+
+
+def test_solution_text_with_check_lines():
+    from gspo_ascend.tiny import solution_text
+
+    assert solution_text(7, "+", 5, 12) == "7 + 5 = 12. \\boxed{12}"
+    assert solution_text(9, "-", 3, 6, checks=2) == "9 - 3 = 6. Check: 9 - 3 = 6. Check: 9 - 3 = 6. \\boxed{6}"
+
+
+def test_packed_warm_start_step_equals_the_padded_one():
+    """The small size's packed batches (one row, attended per example) train like padded batches: the same loss
+    (the mean over response tokens) and, after one step, the same weights."""
+    from dataclasses import replace
+
+    from gspo_ascend.tiny import SIZES
+
+    spec = replace(TinySpec(), **{**SIZES["small"], **SMALL, "batch_size": 6})
+    tokenizer = build_tokenizer(seed=0, checks=True)
+    examples = sft_examples(tokenizer, spec, seed=0, steps=1, p_correct=1.0, stream="sft")
+    assert len({len(p) + len(r) for p, r in examples}) > 2  # lengths differ: padding would be real
+    models = [build_model(spec, tokenizer, seed=0).double() for _ in range(2)]
+    kw = dict(batch_size=6, lr=1e-2, pad_id=tokenizer.pad_token_id, warmup=1)
+    padded = supervised_pass(models[0], examples, **kw)
+    packed = supervised_pass(models[1], examples, packed=True, **kw)
+    # transformers computes the LM loss in float32 whatever the model dtype: agreement to float32's precision
+    assert packed == pytest.approx(padded, rel=1e-6)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7), name
+
+
+def test_sizes_name_their_directory_and_old_manifests_stay_valid(tmp_path, monkeypatch):
+    monkeypatch.setenv("GSPO_HOME", str(tmp_path))
+    with pytest.raises(UserError, match="unknown tiny-model size 'huge'"):
+        ensure_tiny_model(size="huge")
+    out = ensure_tiny_model(size="small", **SMALL)
+    assert out == tmp_path / "small-qwen3"
+    spec = read_manifest(out)["spec"]
+    assert spec["check_lines_mean"] == 6.0 and spec["num_layers"] == 1  # the preset, then the overrides
+    tiny = ensure_tiny_model(**SMALL)
+    manifest = read_manifest(tiny)
+    for key in ("check_lines_mean", "max_check_lines"):  # a manifest written before these fields existed
+        del manifest["spec"][key]
+    (tiny / MANIFEST).write_text(json.dumps(manifest))
+    stamp = (tiny / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(**SMALL) == tiny
+    assert (tiny / "model.safetensors").stat().st_mtime_ns == stamp  # their defaults are the old recipe: no rebuild

@@ -77,11 +77,17 @@ def seq_len(cfg) -> int:
     return cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
+def ulysses_size(cfg) -> int:
+    return cfg.actor.ulysses_sequence_parallel_size if cfg.actor.engine == "fsdp" else 1
+
+
 def micro_tokens(cfg) -> int:
-    """Tokens one device holds per micro-batch: padded samples, or the token budget; split by CP."""
+    """Tokens one device holds per micro-batch: padded samples, or the token budget; split by CP. With the fsdp
+    engine's Ulysses SP the budget is already per device; micro_batch_size samples are split over the SP group."""
     a = cfg.actor
-    tokens = a.max_tokens_per_micro_batch or (a.micro_batch_size or 1) * seq_len(cfg)
-    return tokens // a.context_parallel_size
+    if a.max_tokens_per_micro_batch:
+        return a.max_tokens_per_micro_batch // a.context_parallel_size
+    return (a.micro_batch_size or 1) * seq_len(cfg) // (a.context_parallel_size * ulysses_size(cfg))
 
 
 def recompute_mode(cfg) -> str:
@@ -103,6 +109,7 @@ def layer_activation(cfg, spec: ModelSpec, i: int, tp: int) -> int:
     e, h = ELEMENT_BYTES[cfg.model.dtype], spec.hidden
     d = tp if cfg.actor.sequence_parallel and tp > 1 else 1
     q, kv = spec.heads_per_rank(tp)
+    kv = max(kv, ulysses_size(cfg))  # Ulysses SP repeats KV heads up to SP before its all-to-all
     elements = 4 * h / d + spec.head_dim * (2 * q + 2 * kv)
     if spec.is_moe_layer(i):
         etp = cfg.actor.expert_tensor_parallel_size
@@ -175,6 +182,7 @@ def fsdp_train(cfg, spec: ModelSpec) -> Phase:
     """FSDP (ZeRO-3): fp32 params, fp32 grads and Adam sharded over every rank (16 B/param / world); the
     working set is the gathered root (embeddings, final norm, lm_head) plus two layers (current + prefetch)."""
     lay, e, p = layout(cfg), ELEMENT_BYTES[cfg.model.dtype], spec.total_params
+    sp_note = f" (Ulysses SP {lay.sp}: this device's 1/{lay.sp} of the group's row)" if lay.sp > 1 else ""
     root = spec.embedding_params * (1 if spec.tied else 2) + spec.hidden
     gathered = e * (root + 2 * max(spec.layer_params(i) for i in range(spec.layers)))
     parts = {
@@ -189,7 +197,7 @@ def fsdp_train(cfg, spec: ModelSpec) -> Phase:
         "weights": f"fp32 shards of {p:,} params over {lay.world} ranks",
         "gathered": "bf16 root (embeddings, lm_head) + 2 layers",
         "activations": f"{spec.layers} layers x 1 micro-batch of {micro_tokens(cfg)} tokens, "
-        f"recompute {recompute_mode(cfg)}",
+        f"recompute {recompute_mode(cfg)}{sp_note}",
     }
     return Phase("training", "every device", parts, notes)
 
@@ -276,8 +284,9 @@ def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
     lay = layout(cfg)
     kind = f"MoE, {spec.active_params / 1e9:.2f}B active" if spec.is_moe else "dense"
     desc = (
-        f"world {lay.world} = TP {lay.tp} x PP {lay.pp} x CP {lay.cp} x DP {lay.dp}; EP {lay.ep} x ETP {lay.etp} "
-        f"(expert DP {lay.edp}); rollout TP {cfg.rollout.tensor_parallel_size}; engine {cfg.actor.engine}"
+        f"world {lay.world} = TP {lay.tp} x PP {lay.pp} x CP {lay.cp}{lay.sp_text} x DP {lay.dp}; "
+        f"EP {lay.ep} x ETP {lay.etp} (expert DP {lay.edp}); rollout TP {cfg.rollout.tensor_parallel_size}; "
+        f"engine {cfg.actor.engine}"
     )
     return Plan(
         model=f"{spec.model_type} ({spec.total_params / 1e9:.2f}B params, {kind}) from {spec.source}",
@@ -318,6 +327,7 @@ KNOBS = (
     ("actor.pipeline_parallel_size", lambda c: _megatron(c, c.actor.pipeline_parallel_size * 2)),
     ("actor.expert_parallel_size", lambda c: _megatron(c, c.actor.expert_parallel_size * 2)),
     ("actor.context_parallel_size", lambda c: _megatron(c, c.actor.context_parallel_size * 2)),
+    ("actor.ulysses_sequence_parallel_size", lambda c: _ulysses(c, c.actor.ulysses_sequence_parallel_size * 2)),
     ("rollout.gpu_memory_utilization", lambda c: _util(c, -0.1)),
     ("rollout.gpu_memory_utilization", lambda c: _util(c, +0.1)),
     ("rollout.tensor_parallel_size", lambda c: c.rollout.tensor_parallel_size * 2),
@@ -330,6 +340,10 @@ def _micro_mode(cfg) -> bool:
 
 def _megatron(cfg, value: int) -> int | None:
     return value if cfg.actor.engine == "megatron" else None
+
+
+def _ulysses(cfg, value: int) -> int | None:
+    return value if cfg.actor.engine == "fsdp" and cfg.actor.use_remove_padding else None
 
 
 def _util(cfg, delta: float) -> float | None:

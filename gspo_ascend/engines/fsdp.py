@@ -8,6 +8,10 @@ by the whole minibatch; FSDP averages gradients over ranks, so the local loss is
 Then the accumulated gradient is exactly the gradient of the loss of the full global minibatch, whatever the
 micro-batching and the number of ranks (tested: DP2 == DP1, micro-batched == full batch).
 
+With ``actor.ulysses_sequence_parallel_size`` > 1 (:mod:`.ulysses`), consecutive ranks form sequence-parallel groups
+that gather their shards and split each packed micro-batch by tokens; the counts are then divided by SP (each
+group's minibatch sits on SP ranks) and the loss scale stays the world size (tested: SP2 == SP1, SP2 x DP2 == SP1).
+
 How we differ from verl's FSDP actor (dp_actor.py + fsdp_workers.py):
 - the loss normaliser is global (tokens/sequences of the whole minibatch over all ranks) instead of verl's
   per-micro-batch mean times ``micro_batch_size / mini_batch_size``, which weighs tokens differently when
@@ -38,6 +42,7 @@ import torch.distributed as dist
 from gspo_ascend.algorithms import count_tokens_and_seqs, get_policy_loss
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
+from gspo_ascend.engines import packed_attention, ulysses
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.hf_load import load_causal_lm
@@ -80,12 +85,16 @@ class FSDPEngine:
         self.device = select_device(backend, self.rank)
         from torch.distributed.device_mesh import init_device_mesh
 
+        # FSDP shards over every rank, SP ranks included (verl does the same); SP groups are a second mesh's rows
         self.mesh = init_device_mesh(backend.torch_device_type, (self.world_size,), mesh_dim_names=("dp",))
+        self.sp = self._sp_group(cfg.actor.ulysses_sequence_parallel_size)
+        self.reports = self.sp is None or self.sp.rank == 0  # one rank per SP group records loss metrics
         self.master_dtype = master_dtype
         self.compute_dtype = master_dtype if cfg.model.dtype == "float32" else _DTYPES[cfg.model.dtype]
         self.model, self.tied_names = self._build_model(model_path, trainable=True)
-        # FSDP averages gradients over the DP ranks and the loss is normalised globally, so the loss is scaled by
-        # the DP size to undo the average; where the reduction sums instead, it is not (_dp_reduce_averages)
+        # FSDP averages gradients over all ranks and the loss is normalised globally, so the loss is scaled by
+        # the world size to undo the average; where the reduction sums instead, it is not (_dp_reduce_averages).
+        # With SP the ranks of a group hold parts of one loss's gradient, so their sum is wanted too: same scale
         self._loss_scale = self.world_size if self._dp_reduce_averages() else 1
         self.ref_model = self._build_model(model_path, trainable=False)[0] if cfg.algorithm.kl_coef > 0 else None
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
@@ -121,6 +130,10 @@ class FSDPEngine:
         )
         # names that alias another parameter (tied embeddings): HF checkpoints store only the first
         tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        if self.sp is not None:
+            ulysses.enable(model, self.sp.size)  # after the NPU patches picked the attention it wraps
+        elif self.cfg.actor.use_remove_padding:
+            packed_attention.enable(model)  # sdpa / eager: one attention per packed sequence, not the whole row
         if trainable and self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy()
@@ -139,6 +152,20 @@ class FSDPEngine:
             model.eval()
         return model, tied
 
+    def _sp_group(self, size: int) -> ulysses.SPGroup | None:
+        """Ulysses SP (engines/ulysses.py): consecutive ranks form a group; data parallel over world / size."""
+        if size <= 1:
+            return None
+        if self.world_size % size:
+            raise ConfigError(
+                f"config key '{ulysses.KEY}' ({size}) must divide the number of ranks ({self.world_size})"
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.world_size // size, size)
+        group = init_device_mesh(self.backend.torch_device_type, shape, mesh_dim_names=("dp", "sp")).get_group("sp")
+        return ulysses.SPGroup(group, size, dist.get_rank(group))
+
     def _dp_reduce_averages(self) -> bool:
         """Whether FSDP's gradient reduce-scatter averages over the DP ranks. NCCL / HCCL do; on gloo FSDP sums and
         divides itself where torch has ``set_force_sum_reduction_for_comms`` (2.8+, set in ``_build_model``). Older
@@ -147,6 +174,10 @@ class FSDPEngine:
         if self.world_size == 1 or self.backend.comm_backend != "gloo":
             return True
         if hasattr(self.model, "set_force_sum_reduction_for_comms"):
+            return True
+        if self.master_dtype not in (torch.float32, torch.bfloat16):
+            # torch 2.7's FSDP2 asks the collective for AVG only for fp32 / bf16 gradients; others (float64, the
+            # exactness tests' master dtype) it sums and divides itself: an average (SP2 float64 grad norms halved)
             return True
         contributions = torch.full((self.world_size,), float(self.rank + 1))
         out = torch.empty(1)
@@ -189,7 +220,10 @@ class FSDPEngine:
 
     def _micro_batches(self, batch: SampleBatch):
         a = self.cfg.actor
-        micros, plan = micro_batches(batch, a.micro_batch_size, a.max_tokens_per_micro_batch)
+        budget = a.max_tokens_per_micro_batch
+        if budget is not None and self.sp is not None:  # per device: the group's micro-batch holds SP x as many
+            budget *= self.sp.size
+        micros, plan = micro_batches(batch, a.micro_batch_size, budget)
         # every FSDP forward/backward is a collective: all ranks run the same number of passes
         return micros, plan, int(self._all_reduce([len(micros)], dist.ReduceOp.MAX)[0])
 
@@ -204,7 +238,13 @@ class FSDPEngine:
         zeros = torch.zeros((1, 1))
         return SampleBatch([[self.pad_id]], zeros.long(), zeros)
 
+    def _group_shards(self, batch: SampleBatch) -> list[SampleBatch]:
+        """This rank's shard, or with SP every group rank's shard in group order (the group trains on them all)."""
+        return [batch] if self.sp is None else ulysses.group_shards(batch, self.sp)
+
     def _log_probs(self, model: torch.nn.Module, batch: SampleBatch, temperature: float) -> torch.Tensor:
+        if self.sp is not None:
+            return ulysses.forward_log_probs(model, batch, temperature, self.sp, self.pad_id)
         return forward_log_probs(model, batch, temperature, self.cfg.actor.use_remove_padding, self.pad_id)
 
     # ------------------------------------------------------------------------------------------- contract
@@ -212,15 +252,18 @@ class FSDPEngine:
     @on_device
     def compute_log_probs(self, batch: SampleBatch, temperature: float) -> torch.Tensor:
         """[B, R] float32 on the host, no grad, micro-batched like ``update``."""
-        micros, plan, passes = self._micro_batches(batch)
-        out = torch.zeros(tuple(batch.response_ids.shape), dtype=torch.float32)
+        shards = self._group_shards(batch)
+        start = sum(len(s) for s in shards[: self.sp.rank]) if self.sp is not None else 0
+        group = SampleBatch.concat(shards) if len(shards) > 1 else batch
+        micros, plan, passes = self._micro_batches(group)
+        out = torch.zeros(tuple(group.response_ids.shape), dtype=torch.float32)
         self.model.eval()
         with torch.no_grad():
             for i in range(passes):
                 lp = self._log_probs(self.model, micros[i] if i < len(micros) else self._dummy_batch(), temperature)
                 if i < len(micros):
                     out[plan.groups[i]] = lp.float().cpu()
-        return out
+        return out[start : start + len(batch)]  # this rank's rows
 
     @on_device
     def update(self, batch: SampleBatch, temperature: float) -> dict[str, float]:
@@ -228,7 +271,9 @@ class FSDPEngine:
         check_update_batch(batch, k)
         self.model.train()
         records = []
-        for minibatch in batch.split(k):
+        shards = [s.split(k) for s in self._group_shards(batch)]
+        for j in range(k):
+            minibatch = SampleBatch.concat([s[j] for s in shards]) if len(shards) > 1 else shards[0][j]
             record = self.backward_minibatch(minibatch, temperature)
             self._step(record)
             records.append(record)
@@ -238,13 +283,16 @@ class FSDPEngine:
     def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> MinibatchRecord:
         """Forward/backward every micro-batch of one minibatch; gradients are left in the parameters.
 
-        Public for tests and tools that want the gradient of a minibatch without an optimizer step.
+        Public for tests and tools that want the gradient of a minibatch without an optimizer step. With SP,
+        ``minibatch`` is the SP group's (the same on every rank of the group).
         """
         micros, plan, passes = self._micro_batches(minibatch)
         tokens, seqs = count_tokens_and_seqs(minibatch.response_mask)
-        global_tokens, global_seqs = self._all_reduce([int(tokens), int(seqs)]).tolist()
+        copies = 1 if self.sp is None else self.sp.size  # each SP group's minibatch is on SP ranks
+        global_tokens, global_seqs = (self._all_reduce([int(tokens), int(seqs)]) / copies).tolist()
         record = MinibatchRecord(passes=passes)
-        record.sums["oversized_samples"] = float(plan.oversized)
+        if self.reports:
+            record.sums["oversized_samples"] = float(plan.oversized)
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         norm_length = minibatch.response_ids.shape[1]  # the same T_norm for every micro-batch
         for i in range(passes):
@@ -254,7 +302,8 @@ class FSDPEngine:
             loss, metrics = self._micro_loss(micros[i], temperature, global_tokens, global_seqs, norm_length)
             bad |= ~torch.isfinite(loss.detach())
             (loss * self._loss_scale).backward()  # see __init__: undo FSDP's DP average
-            record.add(metrics)
+            if self.reports:
+                record.add(metrics)
         record.skipped = bool(bad)
         return record
 
@@ -356,10 +405,21 @@ class FSDPEngine:
         else:
             set_model_state_dict(self.model, state["model"])
         self.scheduler.load_state_dict(extra["scheduler"])
+        self._apply_configured_lr()
         self.nan_steps_total = extra["nan_steps_total"]
         torch.set_rng_state(extra["cpu_rng"])
         if extra["device_rng"] is not None:
             self.backend.module().set_rng_state(extra["device_rng"])
+
+    def _apply_configured_lr(self) -> None:
+        """actor.lr may change on resume (gspo_ascend/resume.py), but the loaded optimizer and scheduler states
+        carry the saved one: put the configured lr back, at the warm-up position the scheduler resumed at (the
+        same float expression LambdaLR uses, so an unchanged lr resumes bitwise)."""
+        lr = self.cfg.actor.lr
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas, strict=True):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor(self.scheduler.last_epoch)
 
     def _dcp_state(self, with_optim: bool) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GSPO on dense Qwen2.5-3B on 1 x Atlas 800T A2 (8 x Ascend 910B, 64 GB each): FSDP engine for training,
-# vllm-ascend for rollout. Config: configs/qwen25_3b_gspo.yaml (FSDP over 8, rollout TP 2, 16 samples per prompt).
+# vllm-ascend for rollout. Config: configs/qwen25_3b_gspo.yaml, the field layout:
+# FSDP over 8 with Ulysses sequence parallel 4 x DP 2, packed micro-batches of 8192 tokens per device, rollout
+# TP 2, 16 samples per prompt.
 #   run:   MODEL_PATH=/models/Qwen2.5-3B DATA_DIR=data/math bash scripts/npu/qwen25_3b_gspo.sh [key=value ...]
 #   check: bash scripts/npu/qwen25_3b_gspo.sh --dry-run   (config, preflight, memory plan, commands; no hardware)
 # More nodes: NNODES=2 on the head and NODE_RANK=1 HEAD_ADDR=<head ip> on the second node.

@@ -370,6 +370,20 @@ def test_checkpoint_round_trip_is_bitwise(model_path, tmp_path):
         second.load_checkpoint(str(tmp_path))
 
 
+def test_resume_with_a_changed_lr_trains_at_the_new_lr(model_path, tmp_path):
+    """Issue 18, defect 4: actor.lr is one of the keys that may change on resume (gspo_ascend/resume.py); the saved
+    optimizer / scheduler state must not silently put the old lr back. The warm-up position is kept."""
+    overrides = ["actor.warmup_steps=4", "algorithm.minibatches_per_rollout=2"]
+    first = make_engine(model_path, "actor.lr=1e-3", *overrides)
+    first.update(rollout(model_path, 8, seed=30), 1.0)  # 2 optimizer steps: the scheduler is at warm-up step 2
+    first.save_checkpoint(str(tmp_path / "c"))
+    second = make_engine(model_path, "actor.lr=4e-4", *overrides)
+    second.load_checkpoint(str(tmp_path / "c"))
+    assert second.optimizer.param_groups[0]["lr"] == pytest.approx(4e-4 * 3 / 4, rel=1e-12)
+    lrs = second.update(rollout(model_path, 8, seed=31), 1.0)["actor/lr"]  # warm-up steps 3 and 4 (of 4)
+    assert lrs == pytest.approx(4e-4, rel=1e-12)
+
+
 # ----------------------------------------------------------------------------------------------- export, save_hf
 
 

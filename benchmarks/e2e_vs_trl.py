@@ -1,14 +1,26 @@
 """End-to-end GSPO step time: our trainer vs TRL's GRPOTrainer, same model, prompts, batch and lengths.
 
-    PYTHONPATH=. python benchmarks/e2e_vs_trl.py [--steps 8] [--batch 16] [--n 8] [--max-new-tokens 32]
-                         [--device cpu] [--sequential] [--set actor.use_remove_padding=false ...] [--json PATH]
+    PYTHONPATH=. python benchmarks/e2e_vs_trl.py [--shape tiny|realistic] [--sides ours-vllm,ours-hf,trl-hf,...]
+                         [--steps N] [--batch 16] [--n 8] [--max-new-tokens N] [--model tiny|small]
+                         [--sequential] [--set actor.use_remove_padding=false ...] [--json PATH]
 
-Both sides run in this one process on the embedded tiny Qwen3 model (``ensure_tiny_model()``), the synthetic
-arithmetic prompts (the parquet of ``resolve_train_files``, loaded and chat-templated by our loader, so both
-sides see the same prompt set) and the same reward: our math-verify scorer
-(:func:`gspo_ascend.rewards.compute_rewards`) wrapped as a TRL reward function. One "step" is one rollout
-batch: ``--batch`` prompts x ``--n`` samples -> rewards -> advantages -> old log-probs -> 4 minibatch
-optimizer steps (the GSPO paper's split).
+Shapes (``--shape``; ``--model``, ``--max-new-tokens``, ``--steps`` and ``--sides`` override them):
+
+    tiny       the embedded tiny Qwen3 (0.4M), 32 new tokens, 8 steps, ours-hf vs trl-hf
+    realistic  ``make-tiny-model --size small`` (22M, GQA 8/4, warmed to check its answer a geometric number of
+               times: responses from ~20 tokens to past 512, long right tail), 512 new tokens, 4 steps,
+               ours-vllm, ours-hf, trl-hf and trl-vllm
+
+Sides (benchmarks/e2e_sides.py): ``ours-vllm`` (vLLM rollout, packed fsdp with per-sequence attention, old
+log-probs from vLLM: ``algorithm.old_logprobs=engine``), ``ours-vllm-recompute``, ``ours-hf`` (HF generate
+rollout, old log-probs recomputed), ``trl-hf`` (GRPOTrainer, HF generate) and ``trl-vllm`` (GRPOTrainer,
+``use_vllm=True, vllm_mode="colocate"``). Every side is a process of its own; by default they take turns, one
+rollout batch each, so on a shared machine all sides see the same background load.
+
+All sides use the synthetic arithmetic prompts (the parquet of ``resolve_train_files``, loaded and chat-templated by
+our loader), the same reward: our math-verify scorer (:func:`gspo_ascend.rewards.compute_rewards`) wrapped as a TRL
+reward function. One "step" is one rollout batch: ``--batch`` prompts x ``--n`` samples -> rewards -> advantages
+-> old log-probs -> 4 minibatch optimizer steps (the GSPO paper's split).
 
 How the TRL side is configured (TRL's documented GSPO recipe, ``trl`` 1.16):
 
@@ -20,7 +32,8 @@ How the TRL side is configured (TRL's documented GSPO recipe, ``trl`` 1.16):
     minibatches_per_rollout=4                 steps_per_generation=4, gradient_accumulation_steps=1,
                                               per_device_train_batch_size = batch*n/4, num_iterations=1
     actor.micro_batch_size = batch*n/4        (one forward/backward per optimizer step on both sides)
-    old_logprobs=recompute                    TRL recomputes them too (steps_per_generation > grad. accumulation)
+    old_logprobs=recompute (ours-hf)          TRL recomputes them (steps_per_generation > grad. accumulation)
+    old_logprobs=engine (ours-vllm)           TRL still recomputes; vllm_importance_sampling_correction=False
     rollout.n, temperature, top_p, top_k=-1   num_generations, temperature, top_p, top_k=0
     data.max_response_length                  max_completion_length
     actor.lr, weight_decay, grad_clip,        learning_rate, weight_decay, max_grad_norm,
@@ -30,27 +43,19 @@ How the TRL side is configured (TRL's documented GSPO recipe, ``trl`` 1.16):
 
 Not matched (printed with the results): TRL 1.16 has no ``max_prompt_length`` (prompts are never truncated;
 here none exceeds ours, checked: our loader reports how many it filtered); the prompt order (each side's own
-seeded sampler) and the sampling RNG differ, so the two runs generate different responses of different
-lengths, which is why tokens/s is reported next to the step time; TRL pads, we pack (``use_remove_padding``).
+seeded sampler) and the sampling RNG differ, so the sides generate different responses of different lengths,
+which is why tokens/s is reported next to the step time; TRL pads, we pack (``use_remove_padding``).
 
-Order. By default the two trainers take turns, one rollout batch each: both are set up first (our Ray worker
-started, TRL's model loaded), then a TRL callback runs one step of our trainer (``gspo_ascend.trainer``'s own
-``train_step``) at the end of every TRL rollout batch, outside TRL's timed interval. On a shared machine, where
-the load from other processes changes by the minute, turns give both sides the same conditions; one whole run
-after the other measures the neighbours as much as the trainers (seen on the 2-core CI box: 3x one way, 16x the
-other, in back-to-back runs). ``--sequential`` runs ``train(cfg)`` to completion (its final checkpoint and HF
-export untimed), shuts Ray down, then runs TRL.
-
-Timing: wall time per rollout batch, excluding one-time setup (model load, Ray and worker start) and the first
-step (warm-up: allocator, reward worker spawn, first-call overheads). Ours: the trainer's own ``time/step_s``
-(rollout + reward + old log-probs + update + weight sync). TRL: a callback marks the end of every
-``steps_per_generation``-th optimizer step; a rollout batch is the interval between two marks (generation,
-reward, old log-probs, 4 optimizer steps, TRL's logging). Tokens per batch are prompt + completion tokens (EOS
-included, padding excluded): our ``perf/tokens_per_s * time/step_s``, TRL's ``state.num_input_tokens_seen``
-delta. We print the median step time (the headline ratio), the best one (the least disturbed on a shared
-machine) and tokens/s = tokens / time summed over the measured steps. Ray starts worker processes at niceness
-15 while TRL runs at the caller's; the benchmark sets ``RAY_worker_niceness=0`` (unless already set) so both
-sides compete for a shared CPU at the same priority.
+Timing: wall time per rollout batch, excluding one-time setup (model load, Ray and vLLM start) and the first
+step (warm-up). Ours: the trainer's own ``time/step_s`` (rollout + reward + old log-probs + update + weight
+sync; minus the recompute probe of ``ours-vllm``, see e2e_sides.py). TRL: a callback marks the end of every
+``steps_per_generation``-th optimizer step; a rollout batch is the interval between two marks. Tokens per batch
+are prompt + completion tokens (EOS included, padding excluded). We print the median step time (the headline
+ratio: our first side against the fastest TRL side that ran), the best one (the least disturbed on a shared
+machine), tokens/s, per-stage means, the padded-token share of the training passes, peak RSS and, in turns, the
+median of per-turn ratios. vLLM on CPU reserves one core for its scheduler by default; on this benchmark's
+2-core box that halves its threads, so both vLLM sides run with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (the
+trainer is idle during rollout).
 
 How this differs from TRL's own benchmarks: TRL reports per-optimizer-step times from its logs; a GSPO step
 (the unit the paper's 4-minibatch split is defined on) spans 4 of them, so we time whole rollout batches.
@@ -68,76 +73,60 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # runnable as `python benchmarks/e2e_vs_trl.py` from anywhere
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "benchmarks"):  # runnable as `python benchmarks/e2e_vs_trl.py` from anywhere
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from e2e_sides import MINIBATCHES, SIDES, Side, side_worker  # noqa: E402
+from e2e_turns import SideResult, run_sides  # noqa: E402
 
 from gspo_ascend.errors import UserError  # noqa: E402
 
-MINIBATCHES = 4  # the GSPO paper's optimizer steps per rollout batch
 RATIO_LINE = "step-time ratio ours/TRL"  # the smoke test parses this line
+SHAPES = {
+    "tiny": {"model": "tiny", "max_new_tokens": 32, "steps": 8, "sides": "ours-hf,trl-hf"},
+    "realistic": {
+        "model": "small",
+        "max_new_tokens": 512,
+        "steps": 4,
+        "sides": "ours-vllm,ours-hf,trl-hf,trl-vllm,trl-vllm-reload",
+    },
+}
 NOT_MATCHED = (
     "max_prompt_length: TRL 1.16 has no prompt truncation; ours filters longer prompts ({filtered} filtered)",
     "prompt order and sampling RNG: each side's own seeded sampler, so responses (and their lengths) differ",
     "padding: TRL right-pads prompt+completion for the loss passes; ours packs them (padding-free)",
-    "processes: TRL trains in this process; ours drives one Ray worker process holding both engines",
+    "processes: TRL trains in its process; ours drives one Ray worker process holding both engines",
+    "old log-probs: ours-vllm takes the rollout engine's (old_logprobs=engine); ours-hf and TRL recompute them",
+    "trl-vllm-reload is TRL with its colocated weight sync swapped for vLLM's layerwise reload (e2e_sides.py)",
 )
-
-
-@dataclass
-class SideResult:
-    name: str
-    step_s: list[float] = field(default_factory=list)  # wall time of every rollout batch, warm-up included
-    tokens: list[float] = field(default_factory=list)  # prompt + completion tokens of every rollout batch
-    reward_mean: list[float] = field(default_factory=list)
-    response_length_mean: list[float] = field(default_factory=list)
-    prompt_length_mean: float = float("nan")
-    stages_s: dict[str, float] = field(default_factory=dict)  # mean seconds per stage over the measured steps
-
-    @property
-    def steps(self) -> int:
-        return len(self.step_s)
-
-    def median_step_s(self) -> float:
-        return statistics.median(self.step_s[1:])  # the first step is warm-up
-
-    def best_step_s(self) -> float:
-        return min(self.step_s[1:])  # the least disturbed step, on a shared machine
-
-    def tokens_per_s(self) -> float:
-        return sum(self.tokens[1:]) / sum(self.step_s[1:])
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "steps": self.steps,
-            "step_s": self.step_s,
-            "tokens": self.tokens,
-            "reward_mean": self.reward_mean,
-            "response_length_mean": self.response_length_mean,
-            "prompt_length_mean": self.prompt_length_mean,
-            "stages_s": self.stages_s,
-            "median_step_s": self.median_step_s(),
-            "best_step_s": self.best_step_s(),
-            "tokens_per_s": self.tokens_per_s(),
-        }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8, help="rollout batches per side (the first is warm-up)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="preset of model, length, steps, sides")
+    p.add_argument("--sides", default=None, help=f"comma-separated, of: {', '.join(SIDES)} (default: the shape's)")
+    p.add_argument("--model", choices=("tiny", "small"), default=None, help="make-tiny-model size (default: shape's)")
+    p.add_argument("--steps", type=int, default=None, help="rollout batches per side, the first is warm-up")
     p.add_argument("--batch", type=int, default=16, help="prompts per rollout batch (a multiple of 4)")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (>= 2)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="max response tokens")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="max response tokens (default: the shape's)")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate (the tiny model's, see tiny_gspo.yaml)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto (npu: TRL's side is not set up for it)")
-    p.add_argument("--sequential", action="store_true", help="run train(cfg) to the end, then TRL (no turns)")
+    p.add_argument("--sequential", action="store_true", help="each side runs all its steps before the next starts")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override of our config")
-    p.add_argument("--json", type=Path, default=None, help="write both sides' per-step numbers here")
+    p.add_argument("--json", type=Path, default=None, help="write every side's per-step numbers here")
+    p.add_argument("--side-worker", default=None, help=argparse.SUPPRESS)  # internal: run one side (e2e_sides.py)
+    p.add_argument("--work-dir", default=None, help=argparse.SUPPRESS)  # internal: the orchestrator's temp dir
     args = p.parse_args(argv)
+    shape = SHAPES[args.shape]
+    args.model = args.model or shape["model"]
+    args.steps = shape["steps"] if args.steps is None else args.steps
+    args.max_new_tokens = shape["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens
+    args.sides = [s.strip() for s in (args.sides or shape["sides"]).split(",") if s.strip()]
     if args.steps < 2:
         raise UserError(f"--steps must be >= 2 (the first step is warm-up and not measured), got {args.steps}")
     if args.batch <= 0 or args.batch % MINIBATCHES:
@@ -146,24 +135,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UserError(f"--n must be >= 2 (group-normalised advantages need a group), got {args.n}")
     if args.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    unknown = [s for s in args.sides if s not in SIDES]
+    if unknown or not args.sides:
+        raise UserError(f"--sides: unknown side(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(SIDES)}")
+    if not any(SIDES[s].trainer == "ours" for s in args.sides) or not any(
+        SIDES[s].trainer == "trl" for s in args.sides
+    ):
+        raise UserError("--sides needs at least one of our sides (ours-*) and one TRL side (trl-*)")
     return args
 
 
-def our_config(args: argparse.Namespace, output_dir: str):
+def model_and_data(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The model directory (built first if missing) and the synthetic task's train parquet."""
+    from gspo_ascend.runtime import embedded_data_dir
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model(size=args.model)), [str(embedded_data_dir() / "train.parquet")]
+
+
+def our_config(args: argparse.Namespace, output_dir: str, side: Side | None = None, model: str = "", data=()):
+    """Our config for ``side`` (default: the first of ours in ``args.sides``); ``model`` "" = the tiny model."""
     from gspo_ascend.config import load_config
 
+    side = side or next(SIDES[s] for s in args.sides if SIDES[s].trainer == "ours")
     overrides = {
-        "model.path": "",  # the embedded tiny model
+        "model.path": model,
         "model.dtype": "float32",
-        "data.train_files": [],  # the synthetic arithmetic task
+        "data.train_files": list(data),  # empty: the synthetic arithmetic task
         "data.train_batch_size": args.batch,
         "data.max_prompt_length": 64,
         "data.max_response_length": args.max_new_tokens,
-        "rollout.engine": "hf",
+        "rollout.engine": side.rollout if side.trainer == "ours" else "hf",
         "rollout.n": args.n,
         "rollout.temperature": 1.0,
         "rollout.top_p": 1.0,
         "rollout.top_k": -1,
+        "rollout.enforce_eager": True,  # docs/rollout-vllm.md: inductor graphs gain nothing on CPU at this size
         "actor.engine": "fsdp",
         "actor.lr": args.lr,
         "actor.warmup_steps": 0,
@@ -173,88 +180,18 @@ def our_config(args: argparse.Namespace, output_dir: str):
         "algorithm.clip_ratio_high": 4e-4,
         "algorithm.loss_agg_mode": "seq-mean-token-mean",
         "algorithm.minibatches_per_rollout": MINIBATCHES,
-        "algorithm.old_logprobs": "recompute",
+        "algorithm.old_logprobs": side.old_logprobs if side.trainer == "ours" else "recompute",
         "algorithm.kl_coef": 0.0,
         "trainer.device": args.device,
         "trainer.total_steps": args.steps,
         "trainer.save_freq": 0,
+        "trainer.test_freq": 0,
         "trainer.resume": "never",
         "trainer.output_dir": output_dir,
         "trainer.loggers": ["jsonl"],
         "trainer.seed": 0,
     }
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + list(args.set))
-
-
-# ----------------------------------------------------------------------------------------------- our side
-
-
-def _same_priority_as_trl() -> None:
-    # Ray starts its worker processes at niceness 15 (RayConfig worker_niceness); TRL trains in this process at
-    # the caller's priority. On a shared machine that alone makes our worker lose the CPU to every other
-    # process, so the worker gets the same priority as TRL (unless the caller set it). No effect on an idle box.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-
-
-def _shutdown_ray() -> None:
-    try:
-        import ray
-    except ImportError:
-        return
-    if ray.is_initialized():
-        ray.shutdown()  # the Ray processes our trainer started must not outlive its run
-
-
-def ours_result(history: list[dict[str, float]]) -> SideResult:
-    out = SideResult("ours")
-    for m in history:
-        out.step_s.append(m["time/step_s"])
-        out.tokens.append(m["perf/tokens_per_s"] * m["time/step_s"])
-        out.reward_mean.append(m["reward/mean"])
-        out.response_length_mean.append(m["response/length_mean"])
-    out.prompt_length_mean = statistics.fmean(m["prompt/length_mean"] for m in history)
-    stages = [k for k in history[0] if k.startswith("time/") and k != "time/step_s"]
-    out.stages_s = {k[5:-2]: statistics.fmean(m[k] for m in history[1:]) for k in stages}
-    return out
-
-
-def run_ours_sequential(cfg) -> SideResult:
-    from gspo_ascend.trainer import train
-
-    _same_priority_as_trl()
-    try:
-        history = train(cfg)
-    finally:
-        _shutdown_ray()
-    return ours_result(history)
-
-
-class OurTurns:
-    """Our trainer set up once, then driven one step per call, with the driver's own stage functions.
-
-    The loop of ``gspo_ascend.trainer.train`` minus its final checkpoint and HF export (not timed anyway).
-    """
-
-    def __init__(self, cfg) -> None:
-        from gspo_ascend import trainer
-
-        _same_priority_as_trl()
-        self.trainer, self.history = trainer, []
-        self.run = trainer.prepare(cfg)
-        try:
-            trainer.start(self.run)
-        except BaseException:
-            self.close()
-            raise
-
-    def __call__(self) -> None:
-        self.history.append(self.trainer.train_step(self.run, self.run.start_step + len(self.history) + 1))
-
-    def close(self) -> None:
-        try:
-            self.trainer.stop(self.run)
-        finally:
-            _shutdown_ray()
 
 
 # ----------------------------------------------------------------------------------------------- TRL side
@@ -296,8 +233,8 @@ def trl_dataset(records):
 def rollout_clock(steps_per_rollout: int, between: Callable[[], None] | None = None):
     """A TrainerCallback timing TRL's rollout batches (with their token counts) and keeping TRL's logs.
 
-    At the end of each rollout batch it closes the batch's interval, then runs ``between`` (one step of our
-    trainer, in turns mode), then opens the next interval: ``between`` is never inside TRL's time.
+    At the end of each rollout batch it closes the batch's interval, then runs ``between`` (the turn protocol:
+    report, then wait for the orchestrator), then opens the next interval: ``between`` is never inside TRL's time.
     """
     from transformers import TrainerCallback
 
@@ -329,10 +266,19 @@ def rollout_clock(steps_per_rollout: int, between: Callable[[], None] | None = N
     return RolloutClock()
 
 
-def trl_config(cfg, args: argparse.Namespace, output_dir: str, use_cpu: bool):
+def trl_config(cfg, args: argparse.Namespace, output_dir: str, use_cpu: bool, side: Side | None = None):
     from trl import GRPOConfig  # imported (with its warnings filtered) by trl_trainer first
 
     a, r = cfg.actor, cfg.rollout
+    vllm = {}
+    if side is not None and side.rollout == "vllm":
+        vllm = dict(
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_max_model_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
+            vllm_enable_sleep_mode=False,  # the CPU build has no sleep mode
+            vllm_importance_sampling_correction=False,  # the same loss as the HF side and ours
+        )
     return GRPOConfig(
         output_dir=output_dir,
         importance_sampling_level="sequence",
@@ -365,15 +311,16 @@ def trl_config(cfg, args: argparse.Namespace, output_dir: str, use_cpu: bool):
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
+        **vllm,
     )
 
 
-def trl_trainer(cfg, args: argparse.Namespace, records, model_path: str, output_dir: str, clock):
-    """TRL's GRPOTrainer, set up (model loaded) but not started."""
+def trl_trainer(cfg, args, records, model_path: str, output_dir: str, clock, side=None, trainer_cls=None):
+    """TRL's GRPOTrainer (or ``trainer_cls``, a subclass), set up (model loaded) but not started."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
-    with warnings.catch_warnings():  # TRL warns at import that it was not tested with our vLLM; it is not used here
+    with warnings.catch_warnings():  # TRL warns at import that it was not tested with our vLLM
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
         from trl import GRPOTrainer
 
@@ -384,10 +331,10 @@ def trl_trainer(cfg, args: argparse.Namespace, records, model_path: str, output_
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=torch.float32, attn_implementation=cfg.model.attn_implementation
     )
-    trainer = GRPOTrainer(
+    trainer = (trainer_cls or GRPOTrainer)(
         model=model,
         reward_funcs=[trl_reward_function(cfg)],
-        args=trl_config(cfg, args, output_dir, use_cpu),
+        args=trl_config(cfg, args, output_dir, use_cpu, side),
         train_dataset=trl_dataset(records),
         processing_class=AutoTokenizer.from_pretrained(model_path),
         callbacks=[clock],
@@ -396,112 +343,201 @@ def trl_trainer(cfg, args: argparse.Namespace, records, model_path: str, output_
     return trainer
 
 
-def trl_result(clock, samples_per_batch: int) -> SideResult:
-    out = SideResult("trl")
-    out.step_s = [seconds for seconds, _ in clock.intervals]
-    out.tokens = [tokens for _, tokens in clock.intervals]
-    out.reward_mean = [float(log["reward"]) for log in clock.logs]
-    out.response_length_mean = [float(log["completions/mean_length"]) for log in clock.logs]
-    prompt_means = [
-        tok / samples_per_batch - resp for tok, resp in zip(out.tokens, out.response_length_mean, strict=True)
-    ]
-    out.prompt_length_mean = statistics.fmean(prompt_means) if prompt_means else float("nan")
+# ----------------------------------------------------------------------------------------------- the side processes
+
+
+def side_setup(args: argparse.Namespace):
+    """In a side process: ``build(side)`` for :func:`e2e_sides.side_worker`."""
+    from gspo_ascend.data import load_prompts
+    from gspo_ascend.runtime import load_tokenizer
+
+    model, data = model_and_data(args)
+    work = Path(args.work_dir)
+
+    def build(side: Side):
+        cfg = our_config(args, str(work / side.name), side, model, data)
+        if side.trainer == "ours":
+            return cfg, None
+        d = cfg.data
+        records = load_prompts(
+            data,
+            d.prompt_key,
+            load_tokenizer(cfg, model),
+            d.max_prompt_length,
+            d.overlong_prompts,
+            answer_key=d.answer_key,
+        ).records
+
+        def make(between, trainer_cls):
+            clock = rollout_clock(MINIBATCHES, between=between)
+            return trl_trainer(cfg, args, records, model, str(work / side.name), clock, side, trainer_cls), clock
+
+        return cfg, make
+
+    return build
+
+
+def side_env(side: Side, cfg, model: str) -> dict[str, str]:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    if side.rollout == "vllm":
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # see the module docstring
+    if side.trainer == "trl" and side.rollout == "vllm":
+        from gspo_ascend.engines.vllm_rollout import kv_cache_gib
+
+        hf_config = json.loads((Path(model) / "config.json").read_text())
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # colocate = vLLM's external launcher, in-process
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(cfg, hf_config)))  # what ours gets
+    return env
+
+
+# ----------------------------------------------------------------------------------------------- the report
+
+STAGES = ("generate", "reward", "old_log_prob", "update", "sync")
+
+
+def headline(results: list[SideResult]) -> tuple[SideResult | None, SideResult | None]:
+    """(our first side that ran, TRL's fastest side that ran), by median step time."""
+    ours = next((r for r in results if SIDES[r.name].trainer == "ours" and r.ok), None)
+    trls = [r for r in results if SIDES[r.name].trainer == "trl" and r.ok]
+    return ours, min(trls, key=SideResult.median_step_s, default=None)
+
+
+def _cells(results: list[SideResult], fn, fmt: str = "{:.3f}") -> list[str]:
+    out = []
+    for r in results:
+        try:
+            value = fn(r)
+        except (KeyError, ValueError, ZeroDivisionError, statistics.StatisticsError):
+            value = math.nan
+        out.append("n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value))
     return out
 
 
-# ----------------------------------------------------------------------------------------------- the run
-
-
-def run_both(cfg, args: argparse.Namespace, records, model_path: str, tmp: Path) -> tuple[SideResult, SideResult]:
-    samples = args.batch * args.n
-    if args.sequential:
-        t0 = time.perf_counter()
-        ours = run_ours_sequential(cfg)
-        print(f"ours: {ours.steps} steps in {time.perf_counter() - t0:.1f} s (setup included)", flush=True)
-        clock = rollout_clock(MINIBATCHES)
-        trl_trainer(cfg, args, records, model_path, str(tmp / "trl"), clock).train()
-        return ours, trl_result(clock, samples)
-    turns = OurTurns(cfg)
-    try:
-        clock = rollout_clock(MINIBATCHES, between=turns)
-        trl_trainer(cfg, args, records, model_path, str(tmp / "trl"), clock).train()
-    finally:
-        turns.close()
-    return ours_result(turns.history), trl_result(clock, samples)
-
-
-def report(ours: SideResult, trl: SideResult, args: argparse.Namespace, filtered: int) -> dict:
-    ratio = ours.median_step_s() / trl.median_step_s()
-    best_ratio = ours.best_step_s() / trl.best_step_s()
-    tps_ratio = ours.tokens_per_s() / trl.tokens_per_s()
-    paired = None
-    if not args.sequential and ours.steps == trl.steps:  # in turns, step i of each side ran back to back
-        paired = statistics.median(a / b for a, b in zip(ours.step_s[1:], trl.step_s[1:], strict=True))
+def table_rows(results: list[SideResult], trl_best: SideResult | None) -> list[tuple[str, list[str]]]:
+    base = trl_best.median_step_s() if trl_best else math.nan
     rows = [
-        ("step time, median (s)", f"{ours.median_step_s():.3f}", f"{trl.median_step_s():.3f}", f"{ratio:.3f}x"),
-        ("step time, best (s)", f"{ours.best_step_s():.3f}", f"{trl.best_step_s():.3f}", f"{best_ratio:.3f}x"),
+        ("step time, median (s)", _cells(results, SideResult.median_step_s)),
+        ("step time, best (s)", _cells(results, SideResult.best_step_s)),
         (
-            "tokens/s (prompt+completion)",
-            f"{ours.tokens_per_s():.1f}",
-            f"{trl.tokens_per_s():.1f}",
-            f"{tps_ratio:.3f}x",
+            f"ratio to {trl_best.name if trl_best else 'TRL'} (median)",
+            _cells(results, lambda r: r.median_step_s() / base, "{:.3f}x"),
         ),
-        ("prompt tokens/sample", f"{ours.prompt_length_mean:.1f}", f"{trl.prompt_length_mean:.1f}", ""),
-        ("response tokens/sample", _mean(ours.response_length_mean), _mean(trl.response_length_mean), ""),
-        ("reward mean (all steps)", _mean(ours.reward_mean, 3), _mean(trl.reward_mean, 3), ""),
-        ("steps run (measured)", f"{ours.steps} ({ours.steps - 1})", f"{trl.steps} ({trl.steps - 1})", ""),
+        ("tokens/s (prompt+completion)", _cells(results, SideResult.tokens_per_s, "{:.1f}")),
     ]
-    order = "one after the other" if args.sequential else "in turns, one rollout batch each"
+    rows += [(f"  {stage} (s)", _cells(results, lambda r, s=stage: r.stages_s[s])) for stage in STAGES]
+    rows += [
+        ("padded share, training passes", _cells(results, SideResult.padded_share, "{:.1%}")),
+        ("peak RSS (MiB)", _cells(results, lambda r: r.peak_rss_mib, "{:.0f}")),
+        ("response tokens, mean", _cells(results, lambda r: statistics.fmean(r.response_length_mean), "{:.1f}")),
+        ("prompt tokens, mean", _cells(results, lambda r: r.prompt_length_mean, "{:.1f}")),
+        ("reward mean", _cells(results, lambda r: statistics.fmean(r.reward_mean))),
+        ("setup (s, not timed)", _cells(results, lambda r: r.extra["setup_s"], "{:.0f}")),
+        ("steps run (measured)", [f"{r.steps} ({max(r.steps - 1, 0)})" for r in results]),
+    ]
+    return rows
+
+
+def report(results: list[SideResult], args: argparse.Namespace, filtered: int, load: tuple) -> dict:
+    ours, trl = headline(results)
+    ratio = ours.median_step_s() / trl.median_step_s() if ours and trl else math.nan
+    paired = None
+    if ours and trl and not args.sequential and ours.steps == trl.steps:  # step i of each side ran back to back
+        paired = statistics.median(a / b for a, b in zip(ours.step_s[1:], trl.step_s[1:], strict=True))
+    order = "one side after the other" if args.sequential else "in turns, one rollout batch per side"
     print(
-        f"\nGSPO end-to-end, {args.batch} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
-        f"{MINIBATCHES} minibatches/rollout batch, device {args.device}, {order}, first step excluded"
+        f"\nGSPO end-to-end, model {args.model}, {args.batch} prompts x n={args.n}, up to {args.max_new_tokens} new "
+        f"tokens, {MINIBATCHES} minibatches/rollout batch, device {args.device}, {order}, first step excluded; "
+        f"load average {load[0]:.1f} before, {load[1]:.1f} after (1 min)"
     )
-    print(f"{'':30} {'ours':>12} {'TRL':>12} {'ours/TRL':>10}")
-    for label, a, b, c in rows:
-        print(f"{label:30} {a:>12} {b:>12} {c:>10}")
+    width = max(12, *(len(r.name) + 1 for r in results))
+    print(f"{'':34}" + "".join(f"{r.name:>{width}}" for r in results))
+    for label, cells in table_rows(results, trl):
+        print(f"{label:34}" + "".join(f"{c:>{width}}" for c in cells))
+    for r in results:
+        if r.error:
+            print(f"{r.name} did not run to the end: {r.error}; the end of its log:")
+            print("\n".join("    " + line[:200] for line in r.extra.get("log_tail", [])))
+            if r.extra.get("traceback"):
+                print("  where it failed:\n" + "\n".join("    " + line[:200] for line in r.extra["traceback"]))
     if paired is not None:
-        print(f"median of the per-turn ratios ours/TRL (adjacent steps, same load): {paired:.3f}x")
-    print("ours, mean s per stage: " + ", ".join(f"{k} {v:.3f}" for k, v in ours.stages_s.items()))
-    print(f"{RATIO_LINE}: {ratio:.4f} (goal <= 0.5: {'met' if ratio <= 0.5 else 'not met'})")
-    print("not matched between the two sides:")
+        print(f"median of the per-turn ratios {ours.name}/{trl.name} (adjacent steps, same load): {paired:.3f}x")
+    saved = engine_saving(results)
+    if saved:
+        print(saved["line"])
+    print(
+        f"{RATIO_LINE}: {ratio:.4f} ({ours.name if ours else '-'} / {trl.name if trl else '-'}; goal <= 0.5: "
+        f"{'met' if ratio <= 0.5 else 'not met'})"
+    )
+    print("not matched between the sides:")
     for line in NOT_MATCHED:
         print("  - " + line.format(filtered=filtered))
     return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "ours": ours.to_dict(),
-        "trl": trl.to_dict(),
+        "sides": {r.name: r.to_dict() for r in results},
+        "ours": ours.to_dict() if ours else None,
+        "trl": trl.to_dict() if trl else None,
         "step_time_ratio": ratio,
-        "best_step_time_ratio": best_ratio,
         "paired_step_time_ratio": paired,
-        "tokens_per_s_ratio": tps_ratio,
+        "old_logprobs_engine_saving": saved,
+        "load_average": list(load),
         "not_matched": [line.format(filtered=filtered) for line in NOT_MATCHED],
     }
 
 
-def _mean(values: list[float], digits: int = 1) -> str:
-    return f"{statistics.fmean(values):.{digits}f}" if values else "n/a"
+def engine_saving(results: list[SideResult]) -> dict | None:
+    """What ``old_logprobs=engine`` saves on a side that probed the recompute: seconds per step, and their share of
+    the training phase as it would be with the recompute (old log-probs + update)."""
+    for r in results:
+        probe = r.extra.get("recompute_probe_s")
+        if r.ok and probe:
+            training = probe + r.stages_s.get("old_log_prob", 0.0) + r.stages_s.get("update", 0.0)
+            gap = r.extra.get("engine_logprob_gap_max", math.nan)
+            line = (
+                f"{r.name}: old_logprobs=engine skips a recompute of {probe:.3f} s per step (measured on the same "
+                f"batches): {probe / training:.1%} of the training phase (old log-probs + update = {training:.3f} s "
+                f"with the recompute); max |engine - trainer| log-prob over those batches {gap:.2e}"
+            )
+            return {
+                "side": r.name,
+                "recompute_s": probe,
+                "training_phase_s": training,
+                "share": probe / training,
+                "logprob_gap_max": gap,
+                "line": line,
+            }
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     from gspo_ascend.data import load_prompts
-    from gspo_ascend.runtime import load_tokenizer, resolve_model_path, resolve_train_files
+    from gspo_ascend.runtime import load_tokenizer
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)
+        if args.side_worker:  # one side, in its own process (e2e_sides.py)
+            return side_worker(args.side_worker, side_setup(args))
         with tempfile.TemporaryDirectory(prefix="gspo-bench-") as tmp:
-            cfg = our_config(args, str(Path(tmp) / "ours"))
-            model_path = resolve_model_path(cfg)
+            model, data = model_and_data(args)
+            cfg = our_config(args, str(Path(tmp) / "check"), None, model, data)
             d = cfg.data
-            tokenizer = load_tokenizer(cfg, model_path)
-            files = resolve_train_files(cfg)
             records = load_prompts(
-                files, d.prompt_key, tokenizer, d.max_prompt_length, d.overlong_prompts, answer_key=d.answer_key
+                data,
+                d.prompt_key,
+                load_tokenizer(cfg, model),
+                d.max_prompt_length,
+                d.overlong_prompts,
+                answer_key=d.answer_key,
             )
-            ours, trl = run_both(cfg, args, records.records, model_path, Path(tmp))
+            before = os.getloadavg()[0]
+            command = [sys.executable, str(Path(__file__).resolve()), *argv]
+            envs = [(n, side_env(SIDES[n], our_config(args, tmp, SIDES[n], model, data), model)) for n in args.sides]
+            results = run_sides(envs, command, args.steps, args.sequential, Path(tmp), args.batch * args.n)
+            load = (before, os.getloadavg()[0])
     except UserError as exc:  # ConfigError is one too: a bad --set names its key
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = report(ours, trl, args, records.num_filtered)
+    result = report(results, args, records.num_filtered, load)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, allow_nan=True))

@@ -12,7 +12,9 @@ Two layouts with the same result:
   causal mask (masking_utils.find_packed_sequence_indices) for sdpa and eager, but only when no 2-D
   attention mask and no KV cache are passed, so we pass neither (``use_cache=False``: otherwise the model
   creates a DynamicCache and silently attends across sequences). flash_attention_2 derives cu_seqlens from
-  the same position_ids. The equivalence is proved in tests/unit/test_fsdp_engine.py.
+  the same position_ids. A model routed through engines/packed_attention.py (the fsdp engine's, on sdpa / eager)
+  gets the sequence boundaries instead and attends per sequence: no quadratic [N, N] row. The equivalence is
+  proved in tests/unit/test_fsdp_engine.py and tests/unit/test_packed_attention.py.
 - padded: a right-padded [B, T] batch with an attention mask.
 
 How we differ from verl: verl's remove-padding path unpads with flash-attn's ``unpad_input`` helpers and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from gspo_ascend.engines import packed_attention
 from gspo_ascend.engines.base import SampleBatch
 
 # rows upcast per step: [1024, V] float32 is ~0.6 GiB at Qwen's V = 152k (without grad only one chunk lives at a
@@ -95,8 +98,9 @@ class _Targets:
         self.cols += range(len(resp))
 
 
-def _packed_logits(model, prompts, responses, device) -> tuple[torch.Tensor, _Targets]:
-    """One row holding every sequence; position_ids restart per sequence -> block-diagonal causal mask."""
+def packed_row(prompts, responses) -> tuple[list[int], list[int], _Targets]:
+    """Token ids and position ids of one row holding every prompt + response, positions restarting at 0 per
+    sequence, and where each response token's log-prob comes from (also the Ulysses path's row, engines/ulysses.py)."""
     ids: list[int] = []
     pos: list[int] = []
     targets = _Targets()
@@ -104,12 +108,21 @@ def _packed_logits(model, prompts, responses, device) -> tuple[torch.Tensor, _Ta
         targets.add(i, len(ids) + len(prompt) - 1, resp)
         ids += list(prompt) + resp
         pos += range(len(prompt) + len(resp))
-    logits = model(
-        input_ids=torch.tensor([ids], device=device),
-        position_ids=torch.tensor([pos], device=device),
-        use_cache=False,  # a cache (or a 2-D mask) would switch off transformers' packed-sequence mask
-        logits_to_keep=torch.tensor(targets.keep or [0], device=device),
-    ).logits
+    return ids, pos, targets
+
+
+def _packed_logits(model, prompts, responses, device) -> tuple[torch.Tensor, _Targets]:
+    """One row holding every sequence; position_ids restart per sequence -> block-diagonal causal mask."""
+    ids, pos, targets = packed_row(prompts, responses)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    with packed_attention.packed_forward():
+        logits = model(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.tensor([pos], device=device),
+            use_cache=False,  # a cache (or a 2-D mask) would switch off transformers' packed-sequence mask
+            logits_to_keep=torch.tensor(targets.keep or [0], device=device),
+            **packed_attention.forward_kwargs(model, lengths, device),  # per-sequence attention where enabled
+        ).logits
     return logits[0], targets  # [len(keep), V], in the order of targets.labels
 
 

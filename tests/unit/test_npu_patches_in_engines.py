@@ -50,7 +50,8 @@ def test_fsdp_engine_on_npu_applies_the_patches_and_keeps_log_probs(npu_shim, mo
     batch = make_batch(6, 6, seed=4)
     # unpatched first: the patches swap class methods process-wide, so an unpatched engine must come first
     plain = fsdp_engine(model_path, "model.npu_patches=false")
-    assert plain.model.config._attn_implementation == "sdpa"
+    # packed sdpa (engines/packed_attention.py wraps sdpa for padding-free passes), not the NPU patches' attention
+    assert plain.model.config._attn_implementation == "packed_sdpa"
     want = plain.compute_log_probs(batch, 0.7)
     assert "NPU patches" not in capsys.readouterr().out
     patched = fsdp_engine(model_path)

@@ -1,0 +1,147 @@
+"""Packed (padding-free) attention that is not quadratic in the packed row: one causal attention per sequence.
+
+A packed micro-batch is one row holding every prompt + response, positions restarting at 0 per sequence
+(:func:`gspo_ascend.engines.logprobs.packed_row`). transformers 5 runs such a row, for ``sdpa`` and ``eager``, as
+one attention over the whole row with a block-diagonal causal mask (``masking_utils.find_packed_sequence_indices``):
+O(N^2) time in the row length N and an [N, N] mask, although all but the diagonal blocks are masked. At 32
+sequences of ~150 tokens that is ~30x the work of the blocks themselves; on CPU it made packing 2x slower than
+padding (benchmarks/README.md).
+
+Here the model's attention is routed through ``packed_<inner>`` (a transformers ``AttentionInterface`` entry
+wrapping the model's own ``sdpa`` or ``eager``): given the row's sequence boundaries as transformers' varlen
+keywords (``cu_seq_lens_q`` / ``cu_seq_lens_k``, the cumulative lengths with a leading 0, which the packed forward
+passes inside :func:`packed_forward`, where the mask builder builds nothing: no [N, N] mask), it runs the inner
+implementation once per sequence, causal, unmasked: O(sum of L_i^2), exact (the same softmax over the same keys).
+Any other call (a padded batch, a KV-cache decode, a forward without the keywords) is the inner implementation
+unchanged, with the inner implementation's mask builder.
+
+Only ``sdpa`` / ``eager`` are wrapped: ``flash_attention_2`` and the NPU patches' ``npu_fusion`` already run
+packed rows as varlen kernels (they read the same keywords or the restarting positions), and Ulysses SP
+(engines/ulysses.py) has its own per-sequence hook, so the fsdp engine enables this only without SP.
+
+How we differ from verl: verl's padding-free path needs flash-attn (or NPU) varlen kernels and has no CPU
+equivalent; transformers' own packed sdpa path is the quadratic one described above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+PREFIX = "packed_"
+SUPPORTED = ("sdpa", "eager")
+# set around a packed forward (:func:`packed_forward`): the mask builder then builds nothing. A context variable, not
+# an empty mask mapping passed as ``attention_mask``: models whose forward builds its mask directly from
+# ``attention_mask`` (Qwen3-MoE in transformers 4.57 and 5.x) cannot take a mapping.
+_PACKED = contextvars.ContextVar("gspo_packed_forward", default=False)
+
+
+def inner_of(name: str) -> str:
+    return name[len(PREFIX) :] if name.startswith(PREFIX) else name
+
+
+def _inner_function(inner: str, module: torch.nn.Module):
+    if inner == "eager":  # eager is each modeling file's own function, not in the registry
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[inner]
+
+
+def _causal_mask(n: int, like: torch.Tensor) -> torch.Tensor:
+    """The additive [1, 1, n, n] causal mask eager attention adds to its scores."""
+    return torch.full((n, n), torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device).triu(1)[None, None]
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``packed_<inner>`` implementation. query [B, H, N, D], key / value [B, KV, N, D] -> ([B, N, H, D], None).
+
+    With ``cu_seq_lens_q`` (one packed row, B = 1): the inner implementation on each sequence's tokens, causal.
+    """
+    inner = inner_of(module.config._attn_implementation)
+    fn = _inner_function(inner, module)
+    if cu_seq_lens_q is None:
+        return fn(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise ValueError("packed attention takes one row of self-attention without a mask (the sequences are the mask)")
+    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+        raise ValueError("packed attention needs the same query and key boundaries (self-attention)")
+    bounds = cu_seq_lens_q.tolist()
+    if bounds[0] != 0 or bounds[-1] != query.shape[2]:
+        raise ValueError(f"cu_seq_lens_q {bounds[:3]}...{bounds[-1:]} does not cover the row of {query.shape[2]}")
+    eager = fn.__name__ == "eager_attention_forward"
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        mask = _causal_mask(end - start, query) if eager else None  # sdpa: is_causal when no mask
+        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        outs.append(fn(module, q, k, v, mask, **kwargs)[0])
+    return torch.cat(outs, dim=1), None
+
+
+def attention_mask_forward(*args: Any, **kwargs: Any):
+    """The mask builder registered beside :func:`attention_forward`: the inner implementation's (a padded batch or a
+    decode step builds the mask it always did); inside :func:`packed_forward` none (the sequences are the mask)."""
+    if _PACKED.get():
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    inner = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[inner_of(kwargs["config"]._attn_implementation)]
+    return inner(*args, **kwargs)
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Route ``model``'s attention through ``packed_<inner>`` when it runs ``sdpa`` / ``eager`` over full attention
+    only (sliding windows are left alone); returns whether it did. Idempotent."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    config = model.config
+    if is_enabled(model):
+        return True
+    inner = config._attn_implementation
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if inner not in SUPPORTED or sliding or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return False
+    AttentionInterface.register(PREFIX + inner, attention_forward)
+    AttentionMaskInterface.register(PREFIX + inner, attention_mask_forward)
+    config._attn_implementation = PREFIX + inner
+    return True
+
+
+def is_enabled(model: torch.nn.Module) -> bool:
+    return str(getattr(model.config, "_attn_implementation", "")).startswith(PREFIX)
+
+
+def forward_kwargs(model: torch.nn.Module, lengths: list[int], device: torch.device) -> dict[str, Any]:
+    """Keywords of a packed forward of sequences of ``lengths`` tokens (in row order) for a model :func:`enable`
+    routed: the boundaries (run the forward inside :func:`packed_forward`, so transformers builds no [N, N] mask).
+    {} otherwise (the model then derives the block-diagonal mask from the restarting positions, as before)."""
+    if not is_enabled(model):
+        return {}
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    longest = max(lengths, default=0)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+@contextlib.contextmanager
+def packed_forward() -> Iterator[None]:
+    """The body's model forwards are packed ones (:func:`forward_kwargs`): no attention mask is built."""
+    token = _PACKED.set(True)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)

@@ -22,6 +22,8 @@ from gspo_ascend.config import load_config
 from gspo_ascend.device import get_backend
 from gspo_ascend.engines.base import SampleBatch
 from gspo_ascend.engines.microbatch import dp_shard
+from gspo_ascend.selftest import fixtures
+from gspo_ascend.selftest.fixtures import KV2_DIR
 from gspo_ascend.tiny import ensure_tiny_model
 
 TEMPERATURE = 0.7
@@ -78,53 +80,14 @@ def model_path(kind: str, out: Path) -> str:
     return str(ensure_tiny_model())
 
 
-KV2_DIR = "tiny-qwen3-kv2"
-
-
 def make_kv2_model(out: Path) -> None:
-    """The tiny Qwen3 with its one KV head duplicated into two: the same function (each query head reads an
-    identical copy), but TP=2 needs the KV heads to divide by 2. Written by the test process into ``out``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = ensure_tiny_model()
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    state = model.state_dict()
-    for name in list(state):
-        if name.endswith(("k_proj.weight", "v_proj.weight")):
-            state[name] = torch.cat([state[name], state[name]], 0)  # [kv * head_dim, H] -> two identical heads
-    model.config.num_key_value_heads = 2
-    twin = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
-    twin.load_state_dict(state, strict=True)
-    twin.save_pretrained(out / KV2_DIR)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out / KV2_DIR)
+    """The tiny Qwen3 with two (identical) KV heads, which TP=2 needs; written by the test process into ``out``."""
+    fixtures.make_kv2_model(ensure_tiny_model(), out)
 
 
 def sample_batch(model, seed: int, size: int = 16, width: int = 8) -> SampleBatch:
-    """A rollout-like batch from the HF model: random prompts (2-8 tokens), responses sampled at TEMPERATURE and
-    cut to random lengths (one full, some empty), old log-probs = the sampling log-probs plus noise (sequence
-    ratios near 1, inside the clip range, so the update has a gradient), random advantages."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    prompts = [
-        torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(size)
-    ]
-    responses = torch.zeros((size, width), dtype=torch.long)
-    sampled = torch.zeros((size, width))
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            ids = list(prompt)
-            for t in range(width):
-                log_p = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1] / TEMPERATURE, -1)
-                token = int(torch.multinomial(log_p.exp(), 1, generator=g))
-                responses[i, t], sampled[i, t] = token, log_p[token]
-                ids.append(token)
-    lengths = torch.randint(0, width + 1, (size,), generator=g)
-    lengths[0] = width
-    mask = (torch.arange(width)[None] < lengths[:, None]).float()
-    old = (sampled + 0.05 * torch.randn((size, width), generator=g)) * mask
-    advantages = torch.randn(size, generator=g)
-    return SampleBatch(prompts, responses * mask.long(), mask, old_log_probs=old, advantages=advantages)
+    """A rollout-like batch sampled at TEMPERATURE (gspo_ascend.selftest.fixtures.sample_batch)."""
+    return fixtures.sample_batch(model, seed, TEMPERATURE, size, width)
 
 
 def make_batches(path: Path) -> None:

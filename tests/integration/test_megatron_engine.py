@@ -81,15 +81,9 @@ def _hf_model(kind: str, out: Path, path: str | None = None):
 
 def _hf_log_probs(model, batch, temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) at each response token, one plain forward per sample: independent of our code."""
-    out = torch.zeros(batch.response_ids.shape)
-    with torch.no_grad():
-        for i, prompt in enumerate(batch.prompt_ids):
-            n = int(batch.response_mask[i].sum())
-            response = batch.response_ids[i, :n].tolist()
-            logits = model(torch.tensor([prompt + response])).logits[0]
-            log_p = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : len(prompt) - 1 + n]
-            out[i, :n] = log_p.gather(-1, torch.tensor(response)[:, None])[:, 0]
-    return out
+    from gspo_ascend.selftest.fixtures import hf_log_probs
+
+    return hf_log_probs(model, batch, temperature)
 
 
 @pytest.fixture(scope="module")

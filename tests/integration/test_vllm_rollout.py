@@ -60,11 +60,9 @@ def _prompts(path: str, count: int) -> list[list[int]]:
 
 def _perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """w * 1.01 + N(0, 1e-2^2), seeded: far from the original weights, still a working model."""
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        name: (w * 1.01 + 0.01 * torch.randn(w.shape, generator=gen, dtype=w.dtype)).contiguous()
-        for name, w in model.state_dict().items()
-    }
+    from gspo_ascend.selftest.fixtures import perturbed_state
+
+    return perturbed_state(model, seed)
 
 
 def _hf_model(path: str, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:

@@ -1,0 +1,96 @@
+"""Start one process per device for the selftest's multi-device checks, torchrun-style, and wait for them.
+
+Each rank runs ``python -m gspo_ascend.selftest.rank JOB ...`` with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT set; rank r uses device r (``select_device`` reads LOCAL_RANK). Its output goes to
+``<out>/<job>.rank<r>.log``; a failure is reported as one line (the exit codes and the last error line of the first
+failing rank) with the log's path, never as a traceback of the selftest itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Launch:
+    codes: list[int | None]  # exit code per rank; None = killed at the time limit
+    logs: list[Path]
+
+    @property
+    def ok(self) -> bool:
+        return all(code == 0 for code in self.codes)
+
+    def failure(self) -> str:
+        """One line: what went wrong and where the logs are."""
+        failed = [i for i, code in enumerate(self.codes) if code not in (0, None)]  # the cause, before ranks killed
+        bad = failed[0] if failed else next(i for i, code in enumerate(self.codes) if code is None)
+        if self.codes[bad] is None:
+            return f"rank {bad} did not finish within the time limit (log: {self.logs[bad]})"
+        return f"rank {bad} exited with {self.codes[bad]}: {last_error(self.logs[bad])} (log: {self.logs[bad]})"
+
+
+def last_error(log: Path) -> str:
+    """The last line of a log that looks like an error (a traceback's final line), else its last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error:" in line or "Exception" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def host_threads(emulated_or_cpu: bool) -> dict[str, str]:
+    """N ranks on a few host cores: one intra-op thread each unless the user chose (on a real device the host
+    threads are left alone)."""
+    if emulated_or_cpu and "OMP_NUM_THREADS" not in os.environ:
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
+
+
+def launch_ranks(world: int, job: str, args: list[str], out: Path, env: dict[str, str], timeout_s: float) -> Launch:
+    """Run ``world`` ranks of ``job`` and wait (at most ``timeout_s`` for all of them together)."""
+    base = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
+    procs, logs = [], []
+    for rank in range(world):
+        log = out / f"{job}.rank{rank}.log"
+        logs.append(log)
+        with log.open("w") as sink:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "gspo_ascend.selftest.rank", job, "--out", str(out), *args],
+                    env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return Launch(_wait(procs, timeout_s), logs)
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float, grace_s: float = 15.0) -> list[int | None]:
+    """Exit codes; once a rank has failed the others get ``grace_s`` to finish (they would otherwise wait in a
+    collective for the dead rank until the time limit), then they are killed (None)."""
+    deadline = time.monotonic() + timeout_s
+    killed = set()
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace_s)
+            time.sleep(0.2)
+    finally:
+        for i, proc in enumerate(procs):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                killed.add(i)
+    return [None if i in killed else p.returncode for i, p in enumerate(procs)]

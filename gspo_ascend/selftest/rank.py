@@ -1,0 +1,43 @@
+"""One rank of a multi-device selftest check: ``python -m gspo_ascend.selftest.rank JOB --out DIR --device D ...``.
+
+Started by :func:`.launch.launch_ranks` (RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* set). It resolves the device
+through the device contract (the shim when ``GSPO_DEVICE_SHIM=1``), selects device LOCAL_RANK, joins the world over
+the backend's collective backend and runs the job's rank function, which writes its results under ``--out`` for
+the selftest process to judge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="gspo_ascend.selftest.rank")
+    parser.add_argument("job", choices=("collectives", "training"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", required=True)
+    args, rest = parser.parse_known_args()
+
+    import torch.distributed as dist
+
+    from ..device import get_backend
+    from ..engines.train_common import select_device
+
+    backend = get_backend(args.device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    select_device(backend, rank)  # before the group: device-bound collective backends need it
+    dist.init_process_group(backend.comm_backend, rank=rank, world_size=world)
+    try:
+        if args.job == "collectives":
+            from .collectives import rank_main
+        else:
+            from .training import rank_main
+        rank_main(backend, args.out, rest)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""`gspo-ascend selftest` through the CLI, as a user runs it (issue #15):
+
+- the full run on the CPU with the NPU emulated by the shim (trainer.device=npu) runs every check and passes;
+- the full run on plain CPU passes, skipping only the NPU-only op checks, each with its reason;
+- a fault injected into one shim op fails exactly that op's check (naming the op and the size of the difference)
+  and one in the rollout weight update fails exactly the rollout check; the other checks still run;
+- --json is one record per check (name, status, seconds, detail, fix).
+
+Each run prints its wall time (pytest -s); docs/selftest.md quotes them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gspo_ascend.selftest import ops
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+SETUP = ["setup/device", "setup/tiny_model"]
+OPS = [f"ops/{case.name}" for case in ops.CASES]
+LATER = ["collectives", "rollout/hf", "rollout/vllm", "training/megatron_tp2", "training/fsdp_vs_megatron",
+         "training/checkpoint", "e2e/ray_gspo"]  # fmt: skip
+ALL = SETUP + OPS + LATER
+QUICK_SKIPS = {"rollout/vllm", "training/megatron_tp2", "training/fsdp_vs_megatron", "training/checkpoint",
+               "e2e/ray_gspo"}  # fmt: skip
+FIELDS = {"name", "status", "seconds", "detail", "fix"}
+
+
+def selftest(*args: str, env: dict | None = None, timeout: int = 1800) -> tuple[subprocess.CompletedProcess, float]:
+    import os
+
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "gspo_ascend.cli", "selftest", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    seconds = time.perf_counter() - start
+    print(
+        f"\n[selftest {' '.join(args)} {env or ''}] {seconds:.0f} s\n{proc.stderr if '--json' in args else proc.stdout}"
+    )
+    return proc, seconds
+
+
+def records(proc: subprocess.CompletedProcess) -> dict[str, dict]:
+    found = json.loads(proc.stdout)  # stdout holds nothing but the JSON list
+    assert isinstance(found, list) and all(set(r) == FIELDS for r in found)
+    assert all(r["status"] in ("pass", "fail", "skip") and r["seconds"] >= 0 for r in found)
+    assert all(bool(r["fix"]) == (r["status"] == "fail") for r in found)  # a fix line for failures only
+    names = [r["name"] for r in found]
+    assert len(names) == len(set(names))
+    return {r["name"]: r for r in found}
+
+
+def test_full_run_on_the_emulated_npu_runs_every_check_and_passes():
+    proc, _ = selftest("--device", "npu", "--json", env={"GSPO_DEVICE_SHIM": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = records(proc)
+    assert list(found) == ALL
+    assert {name: r["status"] for name, r in found.items() if r["status"] != "pass"} == {}
+    assert "npu emulated on the CPU shim" in found["setup/device"]["detail"]
+    assert "over gloo; bus bandwidth at 8 MiB: all_reduce" in found["collectives"]["detail"]
+    assert "without MindSpeed (not installed" in found["training/megatron_tp2"]["detail"]
+    assert "fsdp + hf" in found["e2e/ray_gspo"]["detail"]
+    assert re.search(r"summary: 20 pass, 0 fail, 0 skip in \S+ s\n", proc.stderr)
+
+
+def test_full_run_on_plain_cpu_passes_and_skips_only_npu_only_ops():
+    proc, _ = selftest("--device", "cpu")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = {m[2]: (m[1], m[3]) for m in re.finditer(r"^\[(pass|fail|skip)\] +\S+s (\S+): (.*)$", proc.stdout, re.M)}
+    assert list(lines) == ALL
+    skipped = {name for name, (status, _) in lines.items() if status == "skip"}
+    assert skipped == {f"ops/{c.name}" for c in ops.CASES if c.torch_path is None}
+    assert all(lines[name][1].startswith("not on the cpu path: ") for name in skipped)
+    assert all(status == "pass" for name, (status, _) in lines.items() if name not in skipped)
+    work = re.search(r"work dir (\S+)", proc.stdout)[1]
+    assert not (REPO / work).exists()  # removed: nothing failed
+
+
+def test_an_injected_op_fault_fails_exactly_that_check_and_the_run_goes_on():
+    env = {"GSPO_DEVICE_SHIM": "1", "GSPO_SELFTEST_FAULT": "npu_swiglu"}
+    proc, _ = selftest("--device", "npu", "--quick", "--json", env=env)
+    assert proc.returncode == 1
+    found = records(proc)
+    assert list(found) == ALL
+    assert [n for n, r in found.items() if r["status"] == "fail"] == ["ops/npu_swiglu"]
+    detail = found["ops/npu_swiglu"]["detail"]
+    assert re.match(r"npu_swiglu fp32 output 0: max \|device - reference\| = \S+, 1\.0e-01 of its scale", detail)
+    assert {n for n, r in found.items() if r["status"] == "skip"} == QUICK_SKIPS  # --quick, said so
+    assert all("--quick" in found[n]["detail"] for n in QUICK_SKIPS)
+    assert "TEST-ONLY fault injected: GSPO_SELFTEST_FAULT=npu_swiglu" in proc.stderr
+    kept = REPO / re.search(r"logs kept in (\S+)", proc.stderr)[1]
+    assert (kept / "ops.log").is_file()
+    shutil.rmtree(kept)
+
+
+def test_a_fault_in_the_rollout_weight_update_fails_exactly_the_rollout_check():
+    env = {"GSPO_DEVICE_SHIM": "1", "GSPO_SELFTEST_FAULT": "rollout_weight_update"}
+    proc, _ = selftest("--device", "npu", "--quick", "--json", env=env)
+    assert proc.returncode == 1
+    found = records(proc)
+    assert [n for n, r in found.items() if r["status"] == "fail"] == ["rollout/hf"]
+    detail = found["rollout/hf"]["detail"]
+    diff = float(re.search(r"with the same weights by (\S+) \(bound 0.0001", detail)[1])
+    assert diff > 1e-3  # one query projection left at its old value moves log-probs far beyond the bound
+    assert all(found[n]["status"] == "pass" for n in SETUP + OPS + ["collectives"])
+    shutil.rmtree(re.search(r"logs kept in (\S+)", proc.stderr)[1])

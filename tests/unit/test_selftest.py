@@ -1,0 +1,203 @@
+"""`gspo-ascend selftest` (issue #15), the fast parts: the op checks on the emulated NPU and on the CPU path, the
+test-only fault injection (each injected op fault fails exactly the checks that call that op, naming the op and the
+size of the difference), the comparison and judging helpers against hand-computed cases, and bad input.
+The full runs through the CLI are in tests/e2e/test_selftest_e2e.py."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+from gspo_ascend.device import CPU, NPU_SHIM, shim
+from gspo_ascend.device.detect import cuda_available
+from gspo_ascend.device.shim import selftest_fault
+from gspo_ascend.selftest import ops, report, training
+from gspo_ascend.selftest.report import CheckFailed, CheckSkipped
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+CHECKED_OPS = sorted({op for case in ops.CASES for op in case.ops})
+NPU_ONLY = {c.name for c in ops.CASES if c.torch_path is None}
+
+
+@pytest.fixture(scope="module")
+def npu():
+    """The emulated NPU: torch_npu is the shim's stand-in (uninstalled again unless someone else installed it)."""
+    was_installed = shim.is_installed("npu")
+    shim.install(npu=True)
+    yield NPU_SHIM
+    if not was_installed:
+        shim.uninstall()
+
+
+def by_name(results):
+    return {r.name: r for r in results}
+
+
+def test_every_op_check_passes_on_the_emulated_npu(npu, monkeypatch):
+    monkeypatch.delenv(selftest_fault.ENV, raising=False)
+    results = ops.check_ops(npu)
+    assert [r.name for r in results] == [f"ops/{c.name}" for c in ops.CASES]
+    for r in results:
+        assert r.status == "pass", r
+        # the device is the shim itself here: forward and backward agree exactly, in every dtype checked
+        errors = re.findall(r"(?:fwd|bwd) ([^\s;]+)", r.detail)
+        assert errors and set(errors) == {"0"}, r.detail
+
+
+def test_on_cpu_the_op_checks_run_transformers_path_and_skip_the_npu_only_ops(monkeypatch):
+    monkeypatch.delenv(selftest_fault.ENV, raising=False)
+    results = by_name(ops.check_ops(CPU))
+    for case in ops.CASES:
+        r = results[f"ops/{case.name}"]
+        if case.name in NPU_ONLY:
+            assert (
+                r.status == "skip" and r.detail.startswith("not on the cpu path: ") and case.no_torch_path in r.detail
+            )
+            continue
+        assert r.status == "pass", r
+        # another implementation really ran: bf16 rounds differently from the fp32-then-round reference ...
+        assert re.search(r"bf16 fwd [1-9]", r.detail), r.detail
+        # ... and stays inside the documented bound
+        assert all(float(x) <= 2e-2 for x in re.findall(r"bf16 fwd ([^\s;]+)", r.detail))
+
+
+@pytest.mark.parametrize("fault", CHECKED_OPS)
+def test_an_injected_op_fault_fails_exactly_the_checks_that_call_it(npu, monkeypatch, fault):
+    monkeypatch.setenv(selftest_fault.ENV, fault)
+    torch_npu = sys.modules["torch_npu"]
+    before = {name: getattr(torch_npu, name) for name in dir(torch_npu) if name.startswith("npu_")}
+    results = ops.check_ops(npu)
+    expected = {f"ops/{c.name}" for c in ops.CASES if fault in c.ops}
+    assert expected and {r.name for r in results if r.status == "fail"} == expected
+    assert all(r.status == "pass" for r in results if r.name not in expected)
+    for r in results:
+        if r.name in expected:
+            assert fault.removeprefix("mindspeed.") in r.detail and r.fix  # names the op, says what to do
+            # the size of the difference: the fault scales outputs by 1.1, i.e. 1e-1 of their scale
+            relative = float(re.search(r"max \|device - reference\| = \S+, (\S+) of its scale", r.detail)[1])
+            assert relative == pytest.approx(selftest_fault.SCALE - 1, rel=0.05)
+    assert {name: getattr(torch_npu, name) for name in before} == before  # the stand-in is restored after the block
+
+
+def test_the_fault_never_touches_a_real_torch_npu(monkeypatch):
+    real = types.ModuleType("torch_npu")  # no _gspo_shim attribute: what an Atlas host imports
+    real.npu_rms_norm = original = object()
+    monkeypatch.setitem(sys.modules, "torch_npu", real)
+    monkeypatch.setenv(selftest_fault.ENV, "npu_rms_norm")
+    with selftest_fault.perturbed_ops() as perturbed:
+        assert perturbed is None and real.npu_rms_norm is original
+
+
+def test_fault_names_are_checked(monkeypatch):
+    monkeypatch.setenv(selftest_fault.ENV, "npu_nonsense")
+    with pytest.raises(ValueError, match="npu_nonsense.*valid: .*npu_rms_norm.*rollout_weight_update"):
+        selftest_fault.requested()
+    monkeypatch.setenv(selftest_fault.ENV, "")
+    assert selftest_fault.requested() is None
+
+
+# ----------------------------------------------------------------------------------------------- comparisons
+
+
+def test_error_is_max_difference_over_the_reference_scale():
+    ours, ref = torch.tensor([1.0, 2.05, -4.0]), torch.tensor([1.0, 2.0, -4.0])
+    assert ops._error("out", ours, ref, "op fp32", 1e-1) == pytest.approx(0.05 / 4)
+    with pytest.raises(CheckFailed, match=r"op fp32 out: max \|device - reference\| = 5.00e-02, 1.2e-02 of its scale"):
+        ops._error("out", ours, ref, "op fp32", 1e-3)
+
+
+def test_error_catches_moved_infinities_nan_integers_and_shapes():
+    inf = float("-inf")
+    with pytest.raises(CheckFailed, match="non-finite"):
+        ops._error("x", torch.tensor([inf, 1.0]), torch.tensor([1.0, inf]), "op", 1.0)
+    with pytest.raises(CheckFailed, match="non-finite"):
+        ops._error("x", torch.tensor([float("nan"), 1.0]), torch.tensor([0.0, 1.0]), "op", 1.0)
+    assert ops._error("x", torch.tensor([inf, 2.0]), torch.tensor([inf, 2.0]), "op", 0.0) == 0.0
+    with pytest.raises(CheckFailed, match="2 of 4 entries differ"):
+        ops._error("idx", torch.tensor([0, 1, 3, 2]), torch.tensor([0, 1, 2, 3]), "op", 1.0)
+    with pytest.raises(CheckFailed, match=r"device gives \(2,\)"):
+        ops._error("x", torch.zeros(2), torch.zeros(3), "op", 1.0)
+
+
+def test_top_k_top_p_inputs_put_the_cut_between_entries():
+    """Hand check of the top-p cut: with it midway between two cumulative sums, exactly min(k, 3) entries survive."""
+    t = ops._top_k_top_p_inputs(torch.float32, torch.Generator().manual_seed(0))
+    from gspo_ascend.device.shim import npu_ops
+
+    kept = torch.isfinite(npu_ops.npu_top_k_top_p(t["logits"], t["p"], t["k"])).sum(-1)
+    assert kept.tolist() == [min(k, 3) for k in t["k"].tolist()]
+
+
+def test_run_check_turns_outcomes_into_records(tmp_path):
+    def boom() -> str:
+        raise RuntimeError("kaput\nsecond line")
+
+    def skipped() -> str:
+        raise CheckSkipped("not here")
+
+    def failed() -> str:
+        raise CheckFailed("wrong by 3", "do this")
+
+    log = tmp_path / "x.log"
+    r = report.run_check("a/b", boom, "the fix", log)
+    assert (r.status, r.fix) == ("fail", "the fix") and r.detail.startswith("raised RuntimeError: kaput (traceback in")
+    assert "second line" in log.read_text()
+    assert report.run_check("a/b", skipped, "fix").as_dict() == {
+        "name": "a/b", "status": "skip", "seconds": 0.0, "detail": "not here", "fix": ""}  # fmt: skip
+    assert (report.run_check("a/b", failed, "fix").fix, report.run_check("a/b", lambda: "ok", "fix").status) == (
+        "do this",
+        "pass",
+    )
+    assert report.exit_code([report.Result("a", "skip", 0, "")]) == 0
+    assert report.exit_code([report.Result("a", "pass", 0, ""), report.Result("b", "fail", 0, "")]) == 1
+
+
+# ----------------------------------------------------------------------------------------------- training judges
+
+
+def _update(delta: float, initial: torch.Tensor, loss: float = 0.5) -> tuple[dict, dict]:
+    return {"actor/pg_loss": loss, "actor/micro_batches": 3.0}, {"w": initial + delta}
+
+
+def test_update_comparison_catches_sign_missing_and_metric_errors():
+    w0 = {"w": torch.zeros(4)}
+    good = _update(1e-5, w0["w"])
+    assert "weights within 0.0e+00" in training._compare_updates("x", good, _update(1e-5, w0["w"]), w0, 1e-5)
+    within = _update(1.05e-5, w0["w"])  # rounding-size difference: 1/20 of the update
+    training._compare_updates("x", within, good, w0, 1e-5)
+    for wrong in (_update(-1e-5, w0["w"]), _update(0.0, w0["w"]), _update(2e-5, w0["w"])):  # sign, missing, doubled
+        with pytest.raises(CheckFailed, match="weights differ"):
+            training._compare_updates("x", wrong, good, w0, 1e-5)
+    with pytest.raises(CheckFailed, match="actor/pg_loss: 0.51 vs 0.5"):
+        training._compare_updates("x", _update(1e-5, w0["w"], loss=0.51), good, w0, 1e-5)
+    # micro-batch counts differ between engines by design (fsdp counts per rank, megatron passes)
+    other_count = ({"actor/pg_loss": 0.5, "actor/micro_batches": 8.0}, good[1])
+    training._compare_updates("x", other_count, good, w0, 1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- bad input, ranks
+
+
+def test_bad_fault_and_device_count_are_one_line_errors(cli):
+    bad = cli("selftest", "--device", "cpu", env={selftest_fault.ENV: "npu_nonsense"})
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("error: env GSPO_SELFTEST_FAULT='npu_nonsense' names no fault; valid: ")
+    unchecked = cli("selftest", "--device", "cpu", env={selftest_fault.ENV: "npu_moe_init_routing"})
+    assert unchecked.returncode == 2 and "no selftest check calls" in unchecked.stderr
+    zero = cli("selftest", "--device", "cpu", "--devices", "0")
+    assert zero.returncode == 2 and "--devices 0" in zero.stderr and "Traceback" not in zero.stderr
+
+
+@pytest.mark.skipif(cuda_available(), reason="needs a host without CUDA (the ranks ask for a CUDA device)")
+def test_a_failing_rank_is_reported_in_one_line_without_waiting_for_the_time_limit(tmp_path):
+    """Rank processes that cannot get their device: the launch returns quickly with the rank's own error line."""
+    from gspo_ascend.selftest.launch import launch_ranks
+
+    run = launch_ranks(2, "collectives", ["--device", "cuda", "--bytes", "1024"], tmp_path, {}, timeout_s=120)
+    assert not run.ok and run.codes[0] not in (0, None)
+    assert "trainer.device=cuda but torch sees no CUDA device" in run.failure() and str(run.logs[0]) in run.failure()

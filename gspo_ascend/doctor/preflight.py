@@ -30,10 +30,15 @@ class Layout:
     cp: int
     ep: int
     etp: int
+    sp: int = 1  # Ulysses sequence parallel (fsdp engine): SP ranks share samples like TP / CP ranks
 
     @property
     def dense_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.tp * self.pp * self.cp * self.sp
+
+    @property
+    def sp_text(self) -> str:
+        return f" x SP {self.sp}" if self.sp > 1 else ""
 
     @property
     def dp(self) -> int:
@@ -55,6 +60,7 @@ def layout(cfg) -> Layout:
         a.context_parallel_size,
         a.expert_parallel_size,
         a.expert_tensor_parallel_size,
+        a.ulysses_sequence_parallel_size,
     )
 
 
@@ -76,12 +82,15 @@ def rule_world(cfg, spec: ModelSpec | None) -> Iterable[Check]:
     bad = lay.world % lay.dense_parallel
     yield _check(
         "world",
-        f"world {lay.world} (trainer.nnodes x trainer.devices_per_node) is not divisible by actor TP x PP x CP = "
-        f"{lay.tp}x{lay.pp}x{lay.cp} = {lay.dense_parallel}"
+        f"world {lay.world} (trainer.nnodes x trainer.devices_per_node) is not divisible by actor TP x PP x CP"
+        f"{' x SP' if lay.sp > 1 else ''} = {lay.tp}x{lay.pp}x{lay.cp}{f'x{lay.sp}' if lay.sp > 1 else ''} = "
+        f"{lay.dense_parallel}"
         if bad
         else None,
-        f"world {lay.world} = TP {lay.tp} x PP {lay.pp} x CP {lay.cp} x DP {lay.dp}",
-        f"choose actor.tensor/pipeline/context_parallel_size whose product divides {lay.world}",
+        f"world {lay.world} = TP {lay.tp} x PP {lay.pp} x CP {lay.cp}{lay.sp_text} x DP {lay.dp}",
+        "choose actor.tensor/pipeline/context_parallel_size"
+        + (" and actor.ulysses_sequence_parallel_size" if lay.sp > 1 else "")
+        + f" whose product divides {lay.world}",
     )
 
 
@@ -115,6 +124,23 @@ def rule_heads(cfg, spec: ModelSpec | None) -> Iterable[Check]:
         f"set actor.tensor_parallel_size to a divisor of {kv} ({divisors(kv)}); megatron-core 0.12.1 (NPU) "
         "rejects KV replication",
         status,
+    )
+
+
+def rule_ulysses(cfg, spec: ModelSpec | None) -> Iterable[Check]:
+    """The fsdp engine's Ulysses SP (engines/ulysses.py): the all-to-all splits heads; KV heads repeat up to SP."""
+    sp = cfg.actor.ulysses_sequence_parallel_size
+    if sp <= 1 or spec is None:
+        return
+    from ..engines.ulysses import kv_repeats, layout_problem  # imports torch: only for SP configs
+
+    repeat = kv_repeats(sp, spec.kv_heads)
+    yield _check(
+        "ulysses",
+        layout_problem(sp, spec.heads, spec.kv_heads),
+        f"{spec.heads} heads / {spec.kv_heads} KV heads over SP {sp}"
+        + (f" (KV heads repeated x{repeat})" if repeat > 1 else ""),
+        f"set actor.ulysses_sequence_parallel_size to a divisor of {spec.heads} ({divisors(spec.heads)})",
     )
 
 
@@ -248,20 +274,23 @@ def rule_batch(cfg, spec: ModelSpec | None) -> Iterable[Check]:
 
 
 def rule_micro_batch(cfg, spec: ModelSpec | None) -> Iterable[Check]:
-    """A token budget below one full-length sequence cannot place that sequence in any micro-batch."""
+    """A token budget below one full-length sequence cannot place that sequence in any micro-batch. The budget is
+    per device; with Ulysses SP a micro-batch of the SP group holds SP x as many tokens."""
     budget, seq = cfg.actor.max_tokens_per_micro_batch, cfg.data.max_prompt_length + cfg.data.max_response_length
+    sp = cfg.actor.ulysses_sequence_parallel_size if cfg.actor.engine == "fsdp" else 1
     if budget is None:
         if cfg.actor.micro_batch_size is not None:
             yield _check("micro-batch", None, f"actor.micro_batch_size={cfg.actor.micro_batch_size} samples", "")
         return  # neither set: the config validator reports it (field failure "Please set micro_batch_size")
+    group = f" x SP {sp} = {budget * sp} per SP group" if sp > 1 else ""
     yield _check(
         "micro-batch",
-        f"actor.max_tokens_per_micro_batch ({budget}) is below one full sequence "
+        f"actor.max_tokens_per_micro_batch ({budget}{group}) is below one full sequence "
         f"(data.max_prompt_length + max_response_length = {seq})"
-        if budget < seq
+        if budget * sp < seq
         else None,
-        f"token budget {budget} per micro-batch (>= {budget // seq} full sequences)",
-        f"set actor.max_tokens_per_micro_batch >= {seq}",
+        f"token budget {budget}{group} per micro-batch (>= {budget * sp // seq} full sequences)",
+        f"set actor.max_tokens_per_micro_batch >= {-(-seq // sp)}",
     )
 
 
@@ -299,7 +328,17 @@ def _mc2_problem(cfg, spec: ModelSpec | None) -> str | None:
         ),
         "actor.sequence_parallel must be true (MindSpeed skips MC2 without it)": not a.sequence_parallel,
         f"MC2 is an Ascend feature; trainer.device={cfg.trainer.device}": cfg.trainer.device == "cuda",
+        "model.dtype must be bfloat16 or float16 (torch_npu's MC2 kernels take no float32)": (
+            cfg.model.dtype == "float32"
+        ),
     }
+    tp = max(a.tensor_parallel_size, 1)
+    if spec is not None:  # the kernels' matmul k: hidden (column), attention / FFN width per TP rank (row)
+        ks = {"hidden size": spec.hidden, "attention width / TP": spec.heads * spec.head_dim // tp}
+        if not spec.experts or not all(spec.moe_layer_flags):  # some layer has a dense MLP
+            ks["FFN width / TP"] = spec.intermediate // tp
+        for name, k in ks.items():
+            problems[f"{name} = {k} is outside [256, 65535), torch_npu's MC2 matmul k range"] = not 256 <= k < 65535
     failed = [text for text, bad in problems.items() if bad]
     return "actor.use_mc2=true: " + "; ".join(failed) if failed else None
 
@@ -319,6 +358,7 @@ Rule = Callable[[object, ModelSpec | None], Iterable[Check]]
 RULES: tuple[Rule, ...] = (
     rule_world,
     rule_heads,
+    rule_ulysses,
     rule_layers,
     rule_experts,
     rule_moe_folding,

@@ -155,7 +155,7 @@ def _configure_mindspeed(backend: Backend, args: dict[str, Any]) -> None:
         from gspo_ascend.device import shim
 
         mb.prime_device_context()
-        shim.install(mindspeed=True)
+        shim.install(mindspeed=True, mc2=bool(args.get("use_ascend_mc2")))
     if not mindspeed_setup.installed():
         raise UserError(
             "actor.engine=megatron on NPU needs MindSpeed (no mindspeed.megatron_adaptor); install it from source "
@@ -194,7 +194,8 @@ def _check_config(cfg: Config, backend: Backend) -> None:
             "device"
         )
     mindspeed_setup.check_mc2(cfg)
-    if backend.torch_device_type == "cpu" and a.sequence_parallel:
+    if backend.torch_device_type == "cpu" and a.sequence_parallel and not mindspeed_setup.enabled(backend):
+        # under MindSpeed (the emulated NPU in .venv-mindspeed) SP runs: torch 2.7.1's gloo has reduce_scatter
         raise ConfigError(
             "config key 'actor.sequence_parallel' cannot be true on CPU: megatron's local layer spec cannot run "
             "sequence parallelism there; set it to false"

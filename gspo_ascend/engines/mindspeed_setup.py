@@ -76,6 +76,11 @@ def check_mc2(cfg: Config) -> None:
             f"actor.sequence_parallel: true (got {a.tensor_parallel_size} and {a.sequence_parallel}); "
             "set them or set actor.use_mc2: false"
         )
+    if a.use_mc2 and cfg.model.dtype == "float32":  # torch_npu 2.7.1 op docs: "数据类型支持float16、bfloat16、int8"
+        raise ConfigError(
+            "config key 'actor.use_mc2' needs model.dtype bfloat16 or float16: torch_npu's MC2 kernels "
+            "(npu_all_gather_base_mm, npu_mm_reduce_scatter_base) take no float32; set model.dtype: bfloat16"
+        )
 
 
 # The roots of MindSpeed's patch targets that code outside megatron calls (vLLM included): torch, and the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import textwrap
 
 from gspo_ascend.engines import vllm_rollout
 
@@ -31,7 +32,7 @@ def _methods(cls: ast.ClassDef) -> set[str]:
 def _our_llm_keywords() -> set[str]:
     """Keys of the kwargs dict in ``_build_llm`` plus the ``kwargs["..."] = ...`` assignments after it."""
     source = inspect.getsource(vllm_rollout.VLLMRolloutEngine._build_llm)
-    tree = ast.parse(source.replace("\n    ", "\n")[source.index("def") :])
+    tree = ast.parse(textwrap.dedent(source))  # decorators included
     keys = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):

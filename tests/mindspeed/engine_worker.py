@@ -31,6 +31,8 @@ from tests.integration import megatron_engine_worker as worker
 
 REPO = Path(__file__).resolve().parents[2]
 OLD_COMMIT = "d4f770f"  # issue #13 part 1: the engine before it configured MindSpeed
+WIDE = ["actor.tensor_parallel_size=2", "actor.sequence_parallel=true", "model.dtype=bfloat16"]
+WIDE_DIR = "tiny-qwen3-wide"
 CASES = {
     # name: (model, config overrides, jobs in run order); the fsdp references of megatron_engine_worker
     # (fsdp_dense, fsdp_kv2) are used too
@@ -40,6 +42,10 @@ CASES = {
     "ms_dense_tp2": ("dense_kv2", ["actor.tensor_parallel_size=2"], ("count", "log_probs", "update", "describe")),
     "ms_moe_ep2": ("moe", ["actor.expert_parallel_size=2"], ("count", "log_probs", "update", "describe")),
     "ms_dense_cp2": ("dense", ["actor.context_parallel_size=2"], ("count", "log_probs", "update", "describe")),
+    # MC2 (use_ascend_mc2) needs TP > 1, sequence parallelism and, by torch_npu 2.7.1's limits on its kernels, a
+    # bf16 model whose matmul k is >= 256: the "wide" model; its reference is the same layout without MC2
+    "ms_wide_sp2": ("wide", [*WIDE, "actor.use_mc2=false"], ("count", "log_probs", "update", "describe")),
+    "ms_wide_mc2": ("wide", [*WIDE, "actor.use_mc2=true"], ("count", "log_probs", "update", "describe", "checkpoint")),
 }
 OLD_CASES = {  # name: (model, config overrides)
     "old_dense": ("dense", []),
@@ -48,7 +54,30 @@ OLD_CASES = {  # name: (model, config overrides)
 }
 worker.CASES.update(CASES)
 worker.BACKEND.update({case: "npu" for case in CASES if case.startswith("ms_")})
+_model_path = worker.model_path
+worker.model_path = lambda kind, out: str(out / WIDE_DIR) if kind == "wide" else _model_path(kind, out)
 _calls: collections.Counter = collections.Counter()
+
+
+def make_wide_model(out: Path) -> None:
+    """A random Qwen3 (tiny's vocabulary and tokenizer) wide enough for torch_npu's MC2 kernels at TP 2: hidden 256
+    (the column-parallel all-gather matmul's k), 4 heads of 128 and FFN 512 (the row-parallel matmul-reduce-scatter's
+    k per TP rank: 256). Weights rounded to bf16, saved in fp32: the bf16 engine loads them exactly, the fp32 HF
+    reference computes with the same numbers."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = worker.ensure_tiny_model()
+    config = AutoConfig.from_pretrained(src)
+    config.update(
+        dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512)
+    )
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model.save_pretrained(out / WIDE_DIR)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out / WIDE_DIR)
 
 
 # ----------------------------------------------------------------------------------------------- jobs

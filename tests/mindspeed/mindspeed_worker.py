@@ -30,6 +30,8 @@ def _config(kind: str):
     cfg = Config()
     for key, value in CONFIGS[kind]["actor"].items():
         setattr(cfg.actor, key, value)
+    if cfg.actor.use_mc2:
+        cfg.model.dtype = "bfloat16"  # torch_npu's MC2 kernels take no fp32 (refused by mindspeed_args otherwise)
     return cfg, CONFIGS[kind]["moe"]
 
 

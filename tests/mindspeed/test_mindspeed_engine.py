@@ -38,8 +38,14 @@ pytestmark = [
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 TIMEOUT_S = 300
+# bf16 (MC2 takes no fp32): log-probs of MC2 vs the same layout without it measured 8.3e-3 at most, each vs the fp32
+# HF model 1.0e-2 (bf16's 2**-8 relative step on logits of ~5); the update's gradient norm 1.2e-4 and 2.8e-3
+# relative on two batches (bf16 activations rounded at other points: the MC2 kernels round a product once)
+MC2_TOL = 2e-2
+BF16_TOL = 3e-2
+MC2_METRIC_RTOL = 1e-2
 ONE_PROCESS = ["fsdp_dense", "fsdp_kv2", "fsdp_moe", "old_dense", "old_moe", "ms_dense_tp1", "ms_moe_tp1"]
-TWO_PROCESSES = ["old_cp2", "ms_dense_tp2", "ms_moe_ep2", "ms_dense_cp2"]
+TWO_PROCESSES = ["old_cp2", "ms_dense_tp2", "ms_moe_ep2", "ms_dense_cp2", "ms_wide_sp2", "ms_wide_mc2"]
 MODEL_OF = {"ms_moe_tp1": "moe", "ms_moe_ep2": "moe", "ms_dense_tp2": "dense_kv2"}
 OLD_COMMIT_MISSING = "the old engine's commit is not in this checkout (shallow clone?)"
 MASK_ERROR = "RuntimeError: Please set micro_batch_size or set use_flash_attn=True in config."
@@ -81,10 +87,12 @@ def _old_commit_present() -> bool:
 def run(tmp_path_factory):
     """(out dir, {case: {rank: result}}), produced once for the module."""
     from tests.integration import megatron_engine_worker as worker
+    from tests.mindspeed import engine_worker
 
     out = tmp_path_factory.mktemp("mindspeed_engine")
     worker.make_batches(out / "batches.pt")
     worker.make_kv2_model(out)
+    engine_worker.make_wide_model(out)
     old = _old_commit_present()
     one = [c for c in ONE_PROCESS if old or not c.startswith("old_")]
     two = [c for c in TWO_PROCESSES if old or not c.startswith("old_")]
@@ -172,6 +180,37 @@ def test_mindspeed_features_run_in_the_engine(run, case):
             assert calls["npu_fusion_attention_grad"] > 0
         else:  # flash attention through MindSpeed's compressed causal mask (sparse_mode 2), no mask from us
             assert result["core_attention"] == "DotProductAttention" and config["sparse_mode"] == 2
+
+
+def test_mc2_runs_mindspeeds_fused_linears_and_matches_sequence_parallel(run, batch):
+    """``actor.use_mc2`` (MindSpeed's ``use_ascend_mc2``) at TP 2 with sequence parallelism, bf16: MindSpeed's MC2
+    linears call torch_npu's all-gather-matmul and matmul-reduce-scatter (the shim's references over gloo, held to
+    the 2.7.1 schema and op-doc limits) in forward and backward. Log-probs, the update's metrics and the log-probs
+    after it equal the same layout without MC2 to bf16 rounding; both equal the fp32 HF model to bf16 accuracy."""
+    from tests.integration.megatron_engine_worker import TEMPERATURE
+    from tests.integration.test_megatron_engine import _hf_log_probs, _hf_model
+
+    mc2, plain = run[1]["ms_wide_mc2"], run[1]["ms_wide_sp2"]
+    reference = _hf_log_probs(_hf_model("wide", run[0]), batch, TEMPERATURE)
+    for rank in (0, 1):
+        ours, theirs = mc2[rank], plain[rank]
+        assert ours["config"]["use_ascend_mc2"] and not theirs["config"]["use_ascend_mc2"]
+        assert ours["calls"]["npu_all_gather_base_mm"] > 0 and ours["calls"]["npu_mm_reduce_scatter_base"] > 0
+        assert "npu_all_gather_base_mm" not in theirs["calls"]
+        start, stop = ours["rows"]
+        mask = batch.response_mask[start:stop].bool()
+        for key in ("log_probs", "log_probs_after"):
+            assert (ours[key] - theirs[key])[mask].abs().max() <= MC2_TOL, key
+        for lp in (ours["log_probs"], theirs["log_probs"]):
+            assert (lp - reference[start:stop])[mask].abs().max() <= BF16_TOL
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/clipfrac_token"):
+            a, b = ours["metrics"][key], theirs["metrics"][key]
+            assert abs(a - b) <= MC2_METRIC_RTOL * abs(b), (key, a, b)
+        assert ours["metrics"]["actor/grad_norm"] > 0.01 and ours["metrics"]["actor/nan_steps_skipped"] == 0
+        # save -> fresh engine -> load -> update == uninterrupted, bitwise (the barrier of a save works after the
+        # shim's PrivateUse1 rename, which MC2's torch.device("npu") needs)
+        resumed, uninterrupted = ours["ckpt_metrics"]
+        assert ours["ckpt_weights_equal"] and resumed == uninterrupted
 
 
 # ----------------------------------------------------------------------------------------------- the old engine
@@ -269,9 +308,14 @@ def test_mc2_needs_tp_and_sequence_parallel():
             ConfigError, match=r"'actor\.use_mc2'.*actor\.tensor_parallel_size.*actor\.sequence_parallel"
         ):
             _check_config(cfg, NPU)
-    cfg = load_config(
-        None,
-        ["actor.engine=megatron", "actor.use_mc2=true", "actor.tensor_parallel_size=2", "actor.sequence_parallel=true"],
-    )
+    legal = [
+        "actor.engine=megatron",
+        "actor.use_mc2=true",
+        "actor.tensor_parallel_size=2",
+        "actor.sequence_parallel=true",
+    ]
+    with pytest.raises(ConfigError, match=r"'actor\.use_mc2' needs model\.dtype bfloat16"):  # the kernels take no fp32
+        _check_config(load_config(None, legal), NPU)
+    cfg = load_config(None, [*legal, "model.dtype=bfloat16"])
     _check_config(cfg, NPU)
     assert mindspeed_setup.mindspeed_args(cfg, moe=False)["use_ascend_mc2"] is True

@@ -72,8 +72,11 @@ def test_vllm_rollout_calls_vllm_only_with_the_patches_lifted(monkeypatch):
 def test_mc2_needs_tp_and_sequence_parallel():
     with pytest.raises(ConfigError, match="actor.use_mc2"):
         mindspeed_setup.check_mc2(cfg("actor.use_mc2=true", "actor.tensor_parallel_size=1"))
-    mindspeed_setup.check_mc2(cfg("actor.use_mc2=true", "actor.tensor_parallel_size=2", "actor.sequence_parallel=true",
-                                  "trainer.devices_per_node=2"))  # fmt: skip
+    legal = ("actor.use_mc2=true", "actor.tensor_parallel_size=2", "actor.sequence_parallel=true",
+             "trainer.devices_per_node=2")  # fmt: skip
+    with pytest.raises(ConfigError, match="model.dtype bfloat16"):  # torch_npu's MC2 kernels take no fp32
+        mindspeed_setup.check_mc2(cfg(*legal))
+    mindspeed_setup.check_mc2(cfg(*legal, "model.dtype=bfloat16"))
 
 
 def test_mindspeed_is_for_the_npu_only():

@@ -12,6 +12,7 @@ import pytest
 from gspo_ascend import config
 from gspo_ascend.doctor.hardware import HardwareInfo, parse_npu_smi
 from gspo_ascend.doctor.preflight import preflight, preflight_file
+from gspo_ascend.tiny import ensure_tiny_model
 from tests.conftest import REPO
 
 MODELS = REPO / "tests/fixtures/models"
@@ -188,6 +189,17 @@ def test_rule_mc2_legal_on_a2():
     tp1 = finding(run(DENSE_1X8, "actor.use_mc2=true", "actor.tensor_parallel_size=1"), "mc2")
     assert "one of (2, 4, 8)" in tp1.finding
     assert finding(run(DENSE_1X8, "actor.use_mc2=true"), "mc2").status == "ok"
+
+
+def test_rule_mc2_holds_the_kernels_limits():
+    """torch_npu 2.7.1's MC2 kernels (op docs of npu_all_gather_base_mm / npu_mm_reduce_scatter_base): fp16 / bf16
+    inputs only, matmul k in [256, 65535). Qwen2.5-3B at TP 8: attention 16 x 128 / 8 = 256 (legal), FFN
+    11008 / 8 = 1376; the tiny Qwen3 (hidden 128): every k is too small."""
+    fp32 = finding(run(DENSE_1X8, "actor.use_mc2=true", "model.dtype=float32"), "mc2")
+    assert fp32.status == "fail" and "model.dtype must be bfloat16 or float16" in fp32.finding
+    assert finding(run(DENSE_1X8, "actor.use_mc2=true", "actor.tensor_parallel_size=8"), "mc2").status == "ok"
+    tiny = finding(run(DENSE_1X8, "actor.use_mc2=true", f"model.path={ensure_tiny_model()}"), "mc2")
+    assert tiny.status == "fail" and "hidden size = 128 is outside [256, 65535)" in tiny.finding
 
 
 def test_rule_devices_per_node_against_the_host():

@@ -23,8 +23,10 @@ from __future__ import annotations
 _state = {"npu": False, "cuda": False, "mindspeed": False}
 
 
-def install(*, npu: bool = True, cuda: bool = False, mindspeed: bool = False) -> None:
-    """Install the requested parts of the shim (idempotent); ``mindspeed=True`` needs and installs the NPU half."""
+def install(*, npu: bool = True, cuda: bool = False, mindspeed: bool = False, mc2: bool = False) -> None:
+    """Install the requested parts of the shim (idempotent); ``mindspeed=True`` needs and installs the NPU half;
+    ``mc2=True`` (with ``mindspeed``) adds the HCCL communicator names of MindSpeed's MC2 linears, renaming torch's
+    PrivateUse1 backend "npu" for the rest of the process (see ``mindspeed_support.install_mc2_support``)."""
     if (npu or mindspeed) and not _state["npu"]:
         from . import npu_module
 
@@ -40,6 +42,10 @@ def install(*, npu: bool = True, cuda: bool = False, mindspeed: bool = False) ->
 
         mindspeed_support.install_mindspeed_support()
         _state["mindspeed"] = True
+    if mc2:
+        from . import mindspeed_support
+
+        mindspeed_support.install_mc2_support()  # idempotent
 
 
 def uninstall() -> None:

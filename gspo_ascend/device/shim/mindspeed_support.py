@@ -362,6 +362,54 @@ UNSUPPORTED_DTYPES = (torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32
 _DEVICE_ATTRS = ("_lazy_call", "default_generators")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# HCCL communicator names: MindSpeed's MC2 linears (use_ascend_mc2)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def install_mc2_support() -> None:
+    """``group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)``, which MindSpeed's MC2 linears call
+    (``core/tensor_parallel/mc2_feature/linear_function.py``) to address the TP group in ``npu_all_gather_base_mm``
+    / ``npu_mm_reduce_scatter_base`` (:mod:`.npu_mc2_ops`). Needs :func:`install_mindspeed_support` first; called
+    by ``shim.install(mc2=True)``, i.e. only in a process whose config turns MC2 on.
+
+    torch_npu renames torch's PrivateUse1 backend "npu"; the shim otherwise does not (npu_module): a rename cannot
+    be undone in the process, and a renamed PrivateUse1 without torch_npu's C++ hooks breaks torch's accelerator
+    detection (``dist.barrier`` calls ``torch._C._get_accelerator()``, which then raises "Please register
+    PrivateUse1HooksInterface"). So: renamed here, for MC2 processes only, and the accelerator query answers
+    "cpu" where it would raise that (the emulated NPU's tensors live on the CPU). Every process group answers the
+    "npu" device with an :class:`~.npu_mc2_ops.EmulatedHcclBackend` (real torch_npu: its ``ProcessGroupHCCL``);
+    other devices get the group's own backend.
+    """
+    from . import npu_mc2_ops
+
+    if _saved is None:
+        raise RuntimeError("install the MindSpeed stand-ins first: shim.install(mindspeed=True, mc2=True)")
+    if "mc2 _get_backend" in _saved:
+        return
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+    group_type = torch.distributed.ProcessGroup
+    original_backend, original_accelerator = group_type._get_backend, torch._C._get_accelerator
+    _saved["mc2 _get_backend"], _saved["mc2 _get_accelerator"] = original_backend, original_accelerator
+
+    def _get_backend(self: Any, device: Any) -> Any:
+        if torch.device(device).type == "npu":
+            return npu_mc2_ops.EmulatedHcclBackend(self)
+        return original_backend(self, device)
+
+    def _get_accelerator(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original_accelerator(*args, **kwargs)
+        except RuntimeError as exc:
+            if "PrivateUse1HooksInterface" not in str(exc):
+                raise
+            return torch.device("cpu")
+
+    group_type._get_backend = _get_backend
+    torch._C._get_accelerator = _get_accelerator
+
+
 def install_mindspeed_support() -> None:
     """Install the stand-ins (idempotent). Needs the NPU half of the shim (``shim.install(npu=True)``)."""
     global _saved, _finder
@@ -429,6 +477,9 @@ def uninstall_mindspeed_support() -> None:
     from . import cuda_redirect
 
     cuda_redirect.redirect_device_name("npu", on=False)
+    for owner, name in ((torch.distributed.ProcessGroup, "_get_backend"), (torch._C, "_get_accelerator")):
+        if f"mc2 {name}" in _saved:
+            setattr(owner, name, _saved[f"mc2 {name}"])
     if _saved["Tensor.npu"] is _MISSING:
         del torch.Tensor.npu
     else:

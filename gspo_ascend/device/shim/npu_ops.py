@@ -33,13 +33,16 @@ import torch
 import torch.nn.functional as F
 
 from .npu_attention_ops import npu_fusion_attention, npu_fusion_attention_grad
+from .npu_mc2_ops import npu_all_gather_base_mm, npu_mm_reduce_scatter_base
 from .npu_ops_common import _check_dims, _check_dtype, _compute_dtype
 from .npu_ops_common import float64_reference as float64_reference  # part of this module's interface
 
 __all__ = [
+    "npu_all_gather_base_mm",
     "npu_fusion_attention",
     "npu_fusion_attention_grad",
     "npu_grouped_matmul",
+    "npu_mm_reduce_scatter_base",
     "npu_moe_finalize_routing",
     "npu_moe_gating_top_k_softmax",
     "npu_moe_init_routing",

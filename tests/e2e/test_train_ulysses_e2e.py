@@ -27,7 +27,7 @@ def test_embedded_default_with_sp2_on_two_ranks_improves_reward(tmp_path):
     cmd = [sys.executable, "-m", "gspo_ascend.cli", "train", f"trainer.output_dir={out}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "workers: 2 rank(s)" in proc.stdout
+    assert "workers: 2 rank(s)" in proc.stderr  # the placement line (workers.py)
     assert json.loads((out / "config.json").read_text())["actor"]["ulysses_sequence_parallel_size"] == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "reward/mean" in r]  # training steps (a step-0 validation row has none)

@@ -45,7 +45,8 @@ def inner_of(name: str) -> str:
     return name[len(PREFIX) :] if name.startswith(PREFIX) else name
 
 
-def _inner_function(inner: str, module: torch.nn.Module):
+def inner_function(inner: str, module: torch.nn.Module):
+    """The attention function ``inner`` names for ``module`` (also the Ulysses hook's, engines/ulysses.py)."""
     if inner == "eager":  # eager is each modeling file's own function, not in the registry
         return sys.modules[type(module).__module__].eager_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -73,7 +74,7 @@ def attention_forward(
     With ``cu_seq_lens_q`` (one packed row, B = 1): the inner implementation on each sequence's tokens, causal.
     """
     inner = inner_of(module.config._attn_implementation)
-    fn = _inner_function(inner, module)
+    fn = inner_function(inner, module)
     if cu_seq_lens_q is None:
         return fn(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:

@@ -41,7 +41,6 @@ As in verl, the token budget is per device (``actor.max_tokens_per_micro_batch``
 from __future__ import annotations
 
 import copy
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,14 +176,6 @@ def inner_of(name: str) -> str:
     return name[len(PREFIX) :] if name.startswith(PREFIX) else name
 
 
-def _inner_function(inner: str, module: torch.nn.Module):
-    if inner == "eager":  # eager is each modeling file's own function, not in the registry
-        return sys.modules[type(module).__module__].eager_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS[inner]
-
-
 def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
     """[B, H, S, D] -> [B, H * times, S, D], each head ``times`` times in a row (transformers' repeat_kv)."""
     if times == 1:
@@ -198,7 +189,7 @@ def attention_forward(module, query, key, value, attention_mask, ulysses: SPRow 
     -> ([B, N / SP, H, D], None). Without ``ulysses`` (a forward outside the SP path) it is the inner implementation."""
     inner = inner_of(module.config._attn_implementation)
     if ulysses is None:
-        return _inner_function(inner, module)(module, query, key, value, attention_mask, **kwargs)
+        return packed_attention.inner_function(inner, module)(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None:
         raise ValueError("Ulysses SP attention takes no attention mask (sequences are found from the full row)")
     times = kv_repeats(ulysses.size, key.shape[1])
@@ -209,7 +200,7 @@ def attention_forward(module, query, key, value, attention_mask, ulysses: SPRow 
     if inner in packed_attention.SUPPORTED:  # sdpa / eager: once per sequence, causal, unmasked
         out = packed_attention.attention_forward(view, q, k, v, None, cu_seq_lens_q=ulysses.cu_seq_lens, **kwargs)[0]
     else:  # flash attention / npu_fusion find the sequences from the full row's restarting positions
-        out = _inner_function(inner, module)(view, q, k, v, None, **kwargs)[0]
+        out = packed_attention.inner_function(inner, module)(view, q, k, v, None, **kwargs)[0]
     return exchange(out, ulysses), None
 
 

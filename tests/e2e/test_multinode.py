@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.e2e.procs import cmdline, descendants
 from tests.e2e.test_train_e2e import final_weights, read_metrics, trajectory
 from tests.unit.test_scripts import free_ports, processes_mentioning
 
@@ -50,30 +51,6 @@ def run_overrides() -> tuple[str, ...]:
 
     off = ("trainer.test_freq=0", "trainer.val_before_train=false")
     return STEPS + tuple(o for o in off if o.split("=")[0] in valid_keys())
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(proc.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def raylet_of(ray_start_pid: int) -> tuple[int, str]:

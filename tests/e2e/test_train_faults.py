@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.procs import cmdline, descendants
 
 pytestmark = pytest.mark.slow
 
@@ -66,30 +67,6 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run_with_one_line(t
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and "broken_reward.py" in text
     assert not [r for r in read_metrics(out) if r["step"] >= 1]  # no training step was logged
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(proc.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

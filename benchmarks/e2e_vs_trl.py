@@ -92,7 +92,7 @@ SHAPES = {
         "model": "small",
         "max_new_tokens": 512,
         "steps": 4,
-        "sides": "ours-vllm,ours-hf,trl-hf,trl-vllm,trl-vllm-reload",
+        "sides": "ours-vllm,ours-hf,trl-hf,trl-vllm",
     },
 }
 NOT_MATCHED = (
@@ -396,9 +396,9 @@ STAGES = ("generate", "reward", "old_log_prob", "update", "sync")
 
 
 def headline(results: list[SideResult]) -> tuple[SideResult | None, SideResult | None]:
-    """(our first side that ran, TRL's fastest side that ran), by median step time."""
+    """(our first side that ran, the fastest unmodified TRL side that ran), by median step time."""
     ours = next((r for r in results if SIDES[r.name].trainer == "ours" and r.ok), None)
-    trls = [r for r in results if SIDES[r.name].trainer == "trl" and r.ok]
+    trls = [r for r in results if SIDES[r.name].trainer == "trl" and not SIDES[r.name].patched and r.ok]
     return ours, min(trls, key=SideResult.median_step_s, default=None)
 
 
@@ -431,7 +431,6 @@ def table_rows(results: list[SideResult], trl_best: SideResult | None) -> list[t
         ("response tokens, mean", _cells(results, lambda r: statistics.fmean(r.response_length_mean), "{:.1f}")),
         ("prompt tokens, mean", _cells(results, lambda r: r.prompt_length_mean, "{:.1f}")),
         ("reward mean", _cells(results, lambda r: statistics.fmean(r.reward_mean))),
-        ("setup (s, not timed)", _cells(results, lambda r: r.extra["setup_s"], "{:.0f}")),
         ("steps run (measured)", [f"{r.steps} ({max(r.steps - 1, 0)})" for r in results]),
     ]
     return rows
@@ -461,6 +460,9 @@ def report(results: list[SideResult], args: argparse.Namespace, filtered: int, l
                 print("  where it failed:\n" + "\n".join("    " + line[:200] for line in r.extra["traceback"]))
     if paired is not None:
         print(f"median of the per-turn ratios {ours.name}/{trl.name} (adjacent steps, same load): {paired:.3f}x")
+    for r in results:
+        if ours and SIDES[r.name].patched and r.ok:
+            print(f"{ours.name} / {r.name} ({SIDES[r.name].note}): {ours.median_step_s() / r.median_step_s():.3f}x")
     saved = engine_saving(results)
     if saved:
         print(saved["line"])

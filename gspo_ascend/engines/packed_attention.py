@@ -85,10 +85,12 @@ def attention_forward(
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds[:3]}...{bounds[-1:]} does not cover the row of {query.shape[2]}")
     eager = fn.__name__ == "eager_attention_forward"
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    # split, not one slice per sequence: a slice's backward writes its gradient into a zero tensor of the whole
+    # row (sequences x row size of fills and adds per layer, ~15% of a 32-sequence pass); split's is one cat
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        mask = _causal_mask(end - start, query) if eager else None  # sdpa: is_causal when no mask
-        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+    for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True):
+        mask = _causal_mask(q.shape[2], query) if eager else None  # sdpa: is_causal when no mask
         outs.append(fn(module, q, k, v, mask, **kwargs)[0])
     return torch.cat(outs, dim=1), None
 

@@ -128,9 +128,12 @@ def test_headline_is_our_first_side_against_the_fastest_trl_side_that_ran(bench)
         side("trl-vllm-reload", [9.0, 6.0, 6.0]),
     ]
     ours, trl = bench.headline(results)
-    assert (ours.name, trl.name) == ("ours-vllm", "trl-vllm-reload")
-    results[4].error = "died"
-    assert bench.headline(results)[1].name == "trl-hf"
+    # trl-vllm-reload is faster but carries a patch of ours: never the headline; trl-vllm failed
+    assert (ours.name, trl.name) == ("ours-vllm", "trl-hf")
+    results[2].error = "died"
+    assert bench.headline(results)[1] is None  # no unmodified TRL side ran: no headline ratio
+    results[0].error = "died"
+    assert bench.headline(results)[0].name == "ours-hf"
 
 
 def test_engine_saving_is_a_share_of_the_training_phase_with_the_recompute(bench):

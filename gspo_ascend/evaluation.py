@@ -4,7 +4,8 @@
 prompts like the trainer's validation does, generates with ``rollout.engine`` (hf or vllm) in this process on one
 device, or with ``--ray`` on ``trainer.nnodes x trainer.devices_per_node`` Ray workers (rollout engines only),
 scores and summarizes with :mod:`gspo_ascend.validation`, and writes ``eval.json`` (the metrics under the same
-``val/...`` keys a run logs), ``eval.md`` (a table per data source) and ``generations.jsonl`` (every response).
+``val/...`` keys a run logs), ``eval.md`` (a table per data source) and ``generations.jsonl`` (every response);
+scorer failures also go to ``reward_errors.log`` there, with one warning.
 
 Reproducing a run: ``--config RUN/config.json`` brings that run's ``validation.*``, ``data.*``, ``reward.*``,
 ``rollout.*`` and ``trainer.seed``; validation chunks are seeded by (``trainer.seed``, chunk index) and do not
@@ -65,8 +66,9 @@ def eval_config(args: argparse.Namespace) -> Any:
 
 def main_eval(args: argparse.Namespace) -> int:
     from .device import get_backend
+    from .rewards.report import RewardErrorLog
     from .runtime import load_tokenizer, resolve_model_path
-    from .validation import evaluate, load_val_set, requests
+    from .validation import evaluate, load_val_set, log_failures, requests
 
     cfg = eval_config(args)
     backend = get_backend(cfg.trainer.device)
@@ -89,6 +91,7 @@ def main_eval(args: argparse.Namespace) -> int:
     write_outputs(out_dir, report, table, result.rows)
     print(table)
     print(f"\nwrote {out_dir / 'eval.json'}, {out_dir / 'eval.md'}, {out_dir / 'generations.jsonl'}")
+    log_failures(RewardErrorLog(out_dir), result, phase="eval")  # after the table: the last line they read
     return 0
 
 

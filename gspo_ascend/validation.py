@@ -12,7 +12,8 @@ each prompt:
   subsets, a tie counted as a uniformly random pick among the tied answers (an empty vote is wrong);
 * ``response_length_mean`` (tokens), ``truncated`` (responses cut at ``data.max_response_length`` without an
   end-of-sequence token), ``no_answer`` (responses without a boxed answer), ``score_errors`` (responses whose
-  scorer raised or timed out: scored 0, their ``status`` in the responses file says which), ``prompts``.
+  scorer raised or timed out: scored 0, their ``status`` in the responses file says which, and the run's
+  ``reward_errors.log`` holds each with its traceback), ``prompts``.
 
 "Right" is the scorer's ``acc`` (math-verify's 0/1, or a user function's ``acc``) >= 0.5; mean@n averages ``acc``
 itself. The reward is the task score alone: the DAPO overlong penalty shapes training, it is not what a run is
@@ -298,15 +299,16 @@ def requests(val_set: ValSet, cfg: Any) -> list[tuple[list[list[int]], Any]]:
 class Evaluation:
     metrics: dict[str, float]
     rows: list[dict]  # one per response, prompts in order, the n responses of a prompt adjacent
+    scored: list = field(default_factory=list)  # the scorer's SampleResult of each row (failures: status, trace)
 
 
 def evaluate(val_set: ValSet, generate_each: Generate, cfg: Any, tokenizer: Any, on_done=None) -> Evaluation:
     """Generate, score and summarize ``val_set`` (``generate_each``: :meth:`WorkerGroup.generate_each`, or
     :func:`sequential` over one engine)."""
     batches = generate_each(requests(val_set, cfg), on_done)
-    results, rows = _score(val_set, batches, cfg, tokenizer)
+    results, rows, scored = _score(val_set, batches, cfg, tokenizer)
     n = cfg.validation.n
-    return Evaluation(summarize(results, n, report_ks(n, cfg.validation.k)), rows)
+    return Evaluation(summarize(results, n, report_ks(n, cfg.validation.k)), rows, scored)
 
 
 def sequential(engine: Any) -> Generate:
@@ -323,7 +325,7 @@ def sequential(engine: Any) -> Generate:
     return generate_each
 
 
-def _score(val_set: ValSet, batches: list, cfg: Any, tokenizer: Any) -> tuple[list[PromptResult], list[dict]]:
+def _score(val_set: ValSet, batches: list, cfg: Any, tokenizer: Any) -> tuple[list[PromptResult], list[dict], list]:
     from .rewards import extract_boxed, score_responses
 
     n, limit = cfg.validation.n, cfg.data.max_response_length
@@ -379,7 +381,7 @@ def _score(val_set: ValSet, batches: list, cfg: Any, tokenizer: Any) -> tuple[li
             }
             for j in span
         )
-    return results, rows
+    return results, rows, scored
 
 
 def write_generations(path: Path, rows: list[dict], prompts: int, n: int) -> Path | None:
@@ -413,8 +415,24 @@ def due(run: Any, step: int) -> dict[str, float]:
 
 
 def validate(run: Any, step: int) -> dict[str, float]:
+    from .rewards.report import RewardErrorLog
+
     start = time.perf_counter()
     result = evaluate(run.val_set, run.workers.generate_each, run.cfg, run.tokenizer)
     v = run.cfg.validation
     write_generations(run.output_dir / VAL_DIR / f"step_{step:08d}.jsonl", result.rows, v.log_prompts, v.n)
+    if run.reward_log is None:
+        run.reward_log = RewardErrorLog(run.output_dir)
+    log_failures(run.reward_log, result, step)
     return result.metrics | {"time/validation_s": time.perf_counter() - start}
+
+
+def log_failures(log: Any, result: Evaluation, step: int | None = None, phase: str = "validation") -> None:
+    """Scorer failures on held-out prompts go where the training ones go: a ``reward_errors.log`` (a
+    :class:`~.rewards.report.RewardErrorLog`; lines marked with ``phase``) and one console warning. They never stop
+    a run or an eval: the metrics count them (``val/*/score_errors``)."""
+    rows = result.rows
+    responses = [r["response"] for r in rows]
+    truths, sources = [r["ground_truth"] for r in rows], [r["data_source"] for r in rows]
+    log.record(step, result.scored, responses, truths, sources, phase=phase)
+    log.warn_once(step, result.scored, phase=phase)

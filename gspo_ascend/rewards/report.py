@@ -53,6 +53,12 @@ def _snippet(text: str) -> str:
     return repr(text if len(text) <= _SNIPPET_CHARS else text[:_SNIPPET_CHARS] + "...")
 
 
+def _at(step: int | None, phase: str) -> str:
+    if step is None:  # gspo-ascend eval: no training step
+        return phase
+    return f"{phase} at step {step}" if phase else f"step {step}"
+
+
 def _first_failure(results: Sequence[SampleResult | None]) -> str:
     first = next(r for r in results if r is not None and r.status in (ERROR, TIMEOUT))
     return f"{first.status}: {first.detail}"
@@ -70,25 +76,26 @@ class RewardErrorLog:
 
     def record(
         self,
-        step: int,
+        step: int | None,
         results: Sequence[SampleResult | None],
         responses: Sequence[str],
         ground_truths: Sequence[str],
         data_sources: Sequence[str],
+        phase: str = "",
     ) -> None:
-        """Log the failed samples of ``step`` (nothing when none failed)."""
+        """Log the failed samples of ``step`` (nothing when none failed); ``phase="validation"`` marks the held-out
+        prompts' scoring, whose failures count in ``val/*/score_errors`` and never stop a run."""
         errors, timeouts = failure_counts(results)
         if not errors + timeouts:
             return
         scored = sum(r is not None for r in results)
-        lines = [
-            f"step {step}: {errors + timeouts} of {scored} scored samples failed ({errors} errors, {timeouts} timeouts)"
-        ]
+        at = _at(step, phase)
+        lines = [f"{at}: {errors + timeouts} of {scored} scored samples failed ({errors} errors, {timeouts} timeouts)"]
         for i, r in enumerate(results):
             if r is None or r.status not in (ERROR, TIMEOUT):
                 continue
             lines.append(
-                f"step {step} sample {i} [{data_sources[i]}] {r.status}: {r.detail} | response {_snippet(responses[i])}"
+                f"{at} sample {i} [{data_sources[i]}] {r.status}: {r.detail} | response {_snippet(responses[i])}"
                 f" | ground truth {_snippet(ground_truths[i])}"
             )
             frames = r.trace.rsplit("\n", 2)[0]  # the traceback without its last line (the varying message)
@@ -106,15 +113,17 @@ class RewardErrorLog:
                 self._opened = True
             fh.write("\n".join(lines) + "\n")
 
-    def warn_once(self, step: int, results: Sequence[SampleResult | None]) -> None:
+    def warn_once(self, step: int | None, results: Sequence[SampleResult | None], phase: str = "") -> None:
         errors, timeouts = failure_counts(results)
         if self.warned or not errors + timeouts:
             return
         self.warned = True
+        counted = "val/*/score_errors" if phase else "reward/errors and reward/timeouts every step"
+        where = f"{'in' if phase else 'at'} {_at(step, phase)}"
         print(
-            f"warning: the reward function failed on {errors + timeouts} of {len(results)} samples at step {step} "
+            f"warning: the reward function failed on {errors + timeouts} of {len(results)} samples {where} "
             f"({errors} errors, {timeouts} timeouts; first: {_first_failure(results)}); failed samples score 0 and "
-            f"are counted in reward/errors and reward/timeouts every step; each failure and its first traceback: "
+            f"are counted in {counted}; each failure and its first traceback: "
             f"{self.path} (this warning is shown once)",
             file=self.stream or sys.stderr,
             flush=True,

@@ -256,3 +256,66 @@ def test_evaluate_scores_decodes_and_counts_cut_responses():
     m = result.metrics
     assert m["val/all/mean@1"] == pytest.approx(1 / 3) and m["val/src/mean@1"] == pytest.approx(1 / 3)
     assert (m["val/all/truncated"], m["val/all/no_answer"], m["val/all/prompts"]) == (1, 1, 3)
+
+
+def test_validation_scorer_failures_go_to_the_run_reward_log_with_one_warning(tmp_path, capsys):
+    """Old code (7a954f9): a scorer that raised on held-out prompts was counted in val/*/score_errors and nowhere
+    else: no reward_errors.log line, no traceback, no warning. Now its failures are logged like training ones,
+    marked 'validation', with the one warning of the run; gspo-ascend eval writes its own log."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gspo_ascend.data import PromptRecord
+    from gspo_ascend.engines import SampleBatch
+    from gspo_ascend.rewards.report import REWARD_ERRORS_NAME, RewardErrorLog
+    from gspo_ascend.tiny import build_tokenizer
+    from gspo_ascend.validation import ValSet, evaluate, log_failures, validate
+
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(
+        "def f(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if ground_truth == '6':\n"
+        "        raise KeyError('no table for 6')\n"
+        "    return float(ground_truth in solution_str)\n"
+    )
+    tok = build_tokenizer()
+    cfg = config.load_config(None, ["data.max_response_length=8", f"reward.reward_fn={scorer}:f"])
+    records = [
+        PromptRecord([1, 2], [{"role": "user", "content": f"q{i}"}], truth, "src", {}, f"f:{i}")
+        for i, truth in enumerate(["4", "6", "5"])
+    ]
+    val_set = ValSet(records, ["f"], 0, 3, frozenset({tok.eos_token_id}))
+    answer = tok("4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def generate_each(requests, on_done=None):
+        rows = sum(len(p) for p, _ in requests)
+        response = torch.full((rows, 8), tok.pad_token_id)
+        response[:, : len(answer)] = torch.tensor(answer)
+        mask = torch.zeros(rows, 8)
+        mask[:, : len(answer)] = 1
+        return [SampleBatch([p for p, _ in requests for p in p], response, mask)]
+
+    run = SimpleNamespace(
+        val_set=val_set,
+        cfg=cfg,
+        tokenizer=tok,
+        output_dir=tmp_path / "run",
+        reward_log=None,
+        workers=SimpleNamespace(generate_each=generate_each),
+    )
+    metrics = validate(run, 4)
+    assert metrics["val/all/score_errors"] == 1 and metrics["val/all/mean@1"] == pytest.approx(1 / 3)
+    log = (tmp_path / "run" / REWARD_ERRORS_NAME).read_text()
+    assert "validation at step 4: 1 of 3 scored samples failed (1 errors, 0 timeouts)" in log
+    assert "validation at step 4 sample 1 [src] error:" in log and "KeyError: 'no table for 6'" in log
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "failed on 1 of 3 samples in validation at step 4" in warnings[0]
+    validate(run, 8)  # the run's one warning is spent; the log keeps every failure
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert "validation at step 8: 1 of 3" in (tmp_path / "run" / REWARD_ERRORS_NAME).read_text()
+
+    result = evaluate(val_set, generate_each, cfg, tok)
+    log_failures(RewardErrorLog(tmp_path / "eval"), result, phase="eval")
+    assert "eval: 1 of 3 scored samples failed" in (tmp_path / "eval" / REWARD_ERRORS_NAME).read_text()
+    assert "1 of 3 samples in eval (1 errors" in capsys.readouterr().err

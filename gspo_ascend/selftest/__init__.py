@@ -4,7 +4,8 @@ out 40 minutes into a 16-device job.
 
 Layers, in order (one module each; every check is a :class:`.report.Result`: pass / fail / skip, seconds, detail,
 fix): setup (device, versions, the tiny model), :mod:`.ops` (fused ops vs the shim's references), :mod:`.collectives`
-(all-reduce / all-gather / broadcast, bus bandwidth), :mod:`.rollout` (hf and vLLM engines: generate, sleep / wake
+(all-reduce / all-gather / broadcast, bus bandwidth; and on Ascend :mod:`.mc2`, the fused matmul + collective
+ops), :mod:`.rollout` (hf and vLLM engines: generate, sleep / wake
 up, weight update vs HF), :mod:`.training` (Megatron TP=2 vs HF, fsdp vs megatron step, checkpoint round trip) and
 :mod:`.e2e` (two GSPO steps through Ray). :mod:`.cli` runs them; a failing check never stops the others.
 

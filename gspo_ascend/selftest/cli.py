@@ -56,9 +56,10 @@ def _fault() -> str | None:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if fault in selftest_fault.op_faults():
+        from .mc2 import OPS as MC2_OPS
         from .ops import CASES
 
-        checked = sorted({op for case in CASES for op in case.ops})
+        checked = sorted({op for case in CASES for op in case.ops} | set(MC2_OPS))
         if fault not in checked:
             raise UserError(
                 f"env {selftest_fault.ENV}={fault} is a shim op no selftest check calls; checked: {', '.join(checked)}"
@@ -153,9 +154,13 @@ def _layers(backend, devices: int, quick: bool, work: Path) -> list[tuple[str, C
         return check_ops(backend, log)
 
     def collectives(log):
+        from . import mc2
         from .collectives import FIX, check_collectives
 
-        return [run_check("collectives", lambda: check_collectives(backend, devices, work / "collectives"), FIX, log)]
+        return [
+            run_check("collectives", lambda: check_collectives(backend, devices, work / "collectives"), FIX, log),
+            run_check("collectives/mc2", lambda: mc2.check_mc2(backend, devices, work / "mc2"), mc2.FIX, log),
+        ]
 
     def rollout(log):
         from .rollout import check_rollout

@@ -15,7 +15,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="gspo_ascend.selftest.rank")
-    parser.add_argument("job", choices=("collectives", "training"))
+    parser.add_argument("job", choices=("collectives", "mc2", "training"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", required=True)
     args, rest = parser.parse_known_args()
@@ -28,10 +28,16 @@ def main() -> None:
     backend = get_backend(args.device)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     select_device(backend, rank)  # before the group: device-bound collective backends need it
+    if args.job == "mc2" and backend.emulated:  # the HCCL communicator names the MC2 ops address (a real torch_npu
+        from ..device import shim  # has them: its ProcessGroupHCCL)
+
+        shim.install(mindspeed=True, mc2=True)
     dist.init_process_group(backend.comm_backend, rank=rank, world_size=world)
     try:
         if args.job == "collectives":
             from .collectives import rank_main
+        elif args.job == "mc2":
+            from .mc2 import rank_main
         else:
             from .training import rank_main
         rank_main(backend, args.out, rest)

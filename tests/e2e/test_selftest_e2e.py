@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow
 
 SETUP = ["setup/device", "setup/tiny_model"]
 OPS = [f"ops/{case.name}" for case in ops.CASES]
-LATER = ["collectives", "rollout/hf", "rollout/vllm", "training/megatron_tp2", "training/fsdp_vs_megatron",
-         "training/checkpoint", "e2e/ray_gspo"]  # fmt: skip
+LATER = ["collectives", "collectives/mc2", "rollout/hf", "rollout/vllm", "training/megatron_tp2",
+         "training/fsdp_vs_megatron", "training/checkpoint", "e2e/ray_gspo"]  # fmt: skip
 ALL = SETUP + OPS + LATER
 QUICK_SKIPS = {"rollout/vllm", "training/megatron_tp2", "training/fsdp_vs_megatron", "training/checkpoint",
                "e2e/ray_gspo"}  # fmt: skip
@@ -72,9 +72,10 @@ def test_full_run_on_the_emulated_npu_runs_every_check_and_passes():
     assert {name: r["status"] for name, r in found.items() if r["status"] != "pass"} == {}
     assert "npu emulated on the CPU shim" in found["setup/device"]["detail"]
     assert "over gloo; bus bandwidth at 8 MiB: all_reduce" in found["collectives"]["detail"]
+    assert "npu_mm_reduce_scatter_base exact on 2 ranks" in found["collectives/mc2"]["detail"]
     assert "without MindSpeed (not installed" in found["training/megatron_tp2"]["detail"]
     assert "fsdp + hf" in found["e2e/ray_gspo"]["detail"]
-    assert re.search(r"summary: 20 pass, 0 fail, 0 skip in \S+ s\n", proc.stderr)
+    assert re.search(r"summary: 21 pass, 0 fail, 0 skip in \S+ s\n", proc.stderr)
 
 
 def test_full_run_on_plain_cpu_passes_and_skips_only_npu_only_ops():
@@ -83,8 +84,9 @@ def test_full_run_on_plain_cpu_passes_and_skips_only_npu_only_ops():
     lines = {m[2]: (m[1], m[3]) for m in re.finditer(r"^\[(pass|fail|skip)\] +\S+s (\S+): (.*)$", proc.stdout, re.M)}
     assert list(lines) == ALL
     skipped = {name for name, (status, _) in lines.items() if status == "skip"}
-    assert skipped == {f"ops/{c.name}" for c in ops.CASES if c.torch_path is None}
-    assert all(lines[name][1].startswith("not on the cpu path: ") for name in skipped)
+    assert skipped == {f"ops/{c.name}" for c in ops.CASES if c.torch_path is None} | {"collectives/mc2"}
+    assert all(lines[name][1].startswith("not on the cpu path: ") for name in skipped - {"collectives/mc2"})
+    assert lines["collectives/mc2"][1] == "MC2 is torch_npu's (Ascend); this is a cpu node"
     assert all(status == "pass" for name, (status, _) in lines.items() if name not in skipped)
     work = re.search(r"work dir (\S+)", proc.stdout)[1]
     assert not (REPO / work).exists()  # removed: nothing failed
@@ -116,5 +118,5 @@ def test_a_fault_in_the_rollout_weight_update_fails_exactly_the_rollout_check():
     detail = found["rollout/hf"]["detail"]
     diff = float(re.search(r"with the same weights by (\S+) \(bound 0.0001", detail)[1])
     assert diff > 1e-3  # one query projection left at its old value moves log-probs far beyond the bound
-    assert all(found[n]["status"] == "pass" for n in SETUP + OPS + ["collectives"])
+    assert all(found[n]["status"] == "pass" for n in SETUP + OPS + ["collectives", "collectives/mc2"])
     shutil.rmtree(re.search(r"logs kept in (\S+)", proc.stderr)[1])

@@ -201,3 +201,47 @@ def test_a_failing_rank_is_reported_in_one_line_without_waiting_for_the_time_lim
     run = launch_ranks(2, "collectives", ["--device", "cuda", "--bytes", "1024"], tmp_path, {}, timeout_s=120)
     assert not run.ok and run.codes[0] not in (0, None)
     assert "trainer.device=cuda but torch sees no CUDA device" in run.failure() and str(run.logs[0]) in run.failure()
+
+
+# ----------------------------------------------------------------------------------------------- MC2
+
+
+def test_mc2_is_exact_on_the_emulated_npu_and_each_injected_op_fault_fails_it(npu, monkeypatch, tmp_path):
+    """collectives/mc2: torch_npu's two MC2 ops against the unfused collectives, one rank process per device, as
+    MindSpeed addresses the group (its HCCL communicator name). Old code (7a954f9): no check called them, so a node
+    whose MC2 kernels fail passed the selftest; GSPO_SELFTEST_FAULT=<MC2 op> was refused as 'no selftest check calls'.
+    """
+    from gspo_ascend.selftest import mc2
+
+    monkeypatch.delenv(selftest_fault.ENV, raising=False)
+    detail = mc2.check_mc2(npu, 2, tmp_path / "ok")
+    assert detail.startswith("npu_all_gather_base_mm and npu_mm_reduce_scatter_base exact on 2 ranks"), detail
+    for op in mc2.OPS:
+        monkeypatch.setenv(selftest_fault.ENV, op)  # the rank processes inherit it and perturb that op alone
+        with pytest.raises(CheckFailed) as failed:
+            mc2.check_mc2(npu, 2, tmp_path / op)
+        # both ranks see the fault; the 1.1x scale of integer-valued outputs leaves every element wrong
+        assert re.search(rf"wrong result\(s\), first: {op}\b.* on rank 0: \d+ elements differ", str(failed.value))
+        assert "HCCL_BUFFSIZE" in failed.value.fix
+
+
+def test_mc2_operands_keep_every_sum_exact_in_bf16():
+    """The check's exactness rests on its inputs: 0 / 1 entries, <= 32 ones per row, so a row of x @ w is at most
+    32 and a sum over 8 ranks at most 256, an integer bf16 represents exactly."""
+    from gspo_ascend.selftest import mc2
+
+    x, w = mc2._operands(3, 8, "cpu")
+    assert x.dtype == w.dtype == torch.bfloat16 and x.shape == (mc2.M, mc2.K) and w.shape == (mc2.K, mc2.N)
+    assert set(x.unique().tolist()) == set(w.unique().tolist()) == {0.0, 1.0}
+    assert int(x.sum(1).max()) == mc2.ONES_PER_ROW and 8 * mc2.ONES_PER_ROW <= 256
+    assert not torch.equal(x, mc2._operands(4, 8, "cpu")[0])  # each rank its own shard
+
+
+def test_mc2_is_skipped_off_ascend_and_on_world_sizes_the_kernels_do_not_take(npu, tmp_path):
+    from gspo_ascend.selftest import mc2
+
+    with pytest.raises(CheckSkipped, match="MC2 is torch_npu's \\(Ascend\\); this is a cpu node"):
+        mc2.check_mc2(CPU, 2, tmp_path)
+    for devices in (1, 3, 16):
+        with pytest.raises(CheckSkipped, match=f"2, 4 or 8 devices in torch-npu 2.7.1 \\(--devices {devices}\\)"):
+            mc2.check_mc2(npu, devices, tmp_path)

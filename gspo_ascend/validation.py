@@ -12,8 +12,8 @@ each prompt:
   subsets, a tie counted as a uniformly random pick among the tied answers (an empty vote is wrong);
 * ``response_length_mean`` (tokens), ``truncated`` (responses cut at ``data.max_response_length`` without an
   end-of-sequence token), ``no_answer`` (responses without a boxed answer), ``score_errors`` (responses whose
-  scorer raised or timed out: scored 0, their ``status`` in the responses file says which, and the run's
-  ``reward_errors.log`` holds each with its traceback), ``prompts``.
+  scorer raised or timed out: scored 0, their ``status`` in the responses file says which; each is also a line
+  of ``reward_errors.log``, the run's or the eval directory's, with the first traceback of each kind), ``prompts``.
 
 "Right" is the scorer's ``acc`` (math-verify's 0/1, or a user function's ``acc``) >= 0.5; mean@n averages ``acc``
 itself. The reward is the task score alone: the DAPO overlong penalty shapes training, it is not what a run is

@@ -7,7 +7,8 @@ and the run exited 0, and the exception text was logged nowhere. So the trainer 
 * every failed sample gets one line in ``<output_dir>/reward_errors.log`` (step, sample, data source, status,
   the exception's line, the start of the response and the ground truth), and the first occurrence of each
   distinct traceback (same frames; the message may differ) is written in full below its line;
-* the first step with a failure prints one warning on stderr naming the log (once per run);
+* the first step with a failure prints one warning on stderr naming the log (once per run; validation's scoring of
+  held-out prompts and ``gspo-ascend eval`` log here too, marked with their phase, with a warning of their own);
 * more than ``reward.max_failure_rate`` of a step's samples failing stops the run with one line
   (:class:`RewardFailureError`), because a reward that is mostly zeros by accident trains the policy on noise.
 
@@ -70,7 +71,7 @@ class RewardErrorLog:
     def __init__(self, output_dir: str | Path, stream: TextIO | None = None):
         self.path = Path(output_dir).resolve() / REWARD_ERRORS_NAME
         self.stream = stream
-        self.warned = False
+        self.warned: set[str] = set()  # the phases ("": training) already warned about: one warning each
         self._seen_traces: set[str] = set()
         self._opened = False
 
@@ -115,9 +116,9 @@ class RewardErrorLog:
 
     def warn_once(self, step: int | None, results: Sequence[SampleResult | None], phase: str = "") -> None:
         errors, timeouts = failure_counts(results)
-        if self.warned or not errors + timeouts:
+        if phase in self.warned or not errors + timeouts:
             return
-        self.warned = True
+        self.warned.add(phase)
         counted = "val/*/score_errors" if phase else "reward/errors and reward/timeouts every step"
         where = f"{'in' if phase else 'at'} {_at(step, phase)}"
         print(

@@ -15,8 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
-from .launch import host_threads, launch_ranks
-from .report import CheckFailed, CheckSkipped
+from .launch import rank_records
+from .report import CheckSkipped
 
 FIX = "docs/troubleshooting.md#selftest-collectives: run `gspo-ascend doctor` (HCCL / NCCL env, ports, firewall)"
 HOST_BYTES, DEVICE_BYTES = 8 * 2**20, 64 * 2**20  # timed buffer: small on a host (gloo over shared cores)
@@ -26,17 +26,8 @@ TIMEOUT_S = 300
 def check_collectives(backend, devices: int, out: Path) -> str:
     if devices < 2:
         raise CheckSkipped("needs at least 2 devices (--devices 1)")
-    out.mkdir(parents=True, exist_ok=True)
-    on_host = backend.torch_device_type == "cpu"
-    size = HOST_BYTES if on_host else DEVICE_BYTES
-    env = host_threads(on_host) | ({"GSPO_DEVICE_SHIM": "1"} if backend.emulated else {})
-    run = launch_ranks(devices, "collectives", ["--device", backend.name, "--bytes", str(size)], out, env, TIMEOUT_S)
-    if not run.ok:
-        raise CheckFailed(run.failure(), FIX)
-    ranks = [json.loads((out / f"collectives.rank{r}.json").read_text()) for r in range(devices)]
-    errors = [e for r in ranks for e in r["errors"]]
-    if errors:
-        raise CheckFailed(f"{len(errors)} wrong result(s), first: {errors[0]}", FIX)
+    size = HOST_BYTES if backend.torch_device_type == "cpu" else DEVICE_BYTES
+    ranks = rank_records(backend, devices, "collectives", ["--bytes", str(size)], out, TIMEOUT_S, FIX)
     bandwidth = ranks[0]["bus_gbps"]
     rates = ", ".join(f"{op} {gbps:.2f} GB/s" for op, gbps in bandwidth.items())
     return (

@@ -8,6 +8,7 @@ failing rank) with the log's path, never as a traceback of the selftest itself.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -56,6 +57,31 @@ def host_threads(emulated_or_cpu: bool) -> dict[str, str]:
     if emulated_or_cpu and "OMP_NUM_THREADS" not in os.environ:
         return {"OMP_NUM_THREADS": "1"}
     return {}
+
+
+def launch_on(backend, world: int, job: str, args: list[str], out: Path, timeout_s: float) -> Launch:
+    """:func:`launch_ranks` on ``backend``'s devices: ``--device``, the shim flag when the device is emulated, one
+    intra-op thread per rank on a host."""
+    on_host = backend.torch_device_type == "cpu"
+    env = host_threads(on_host) | ({"GSPO_DEVICE_SHIM": "1"} if backend.emulated else {})
+    return launch_ranks(world, job, ["--device", backend.name, *args], out, env, timeout_s)
+
+
+def rank_records(backend, world: int, job: str, args: list[str], out: Path, timeout_s: float, fix: str) -> list[dict]:
+    """Run ``job``, whose ranks each write ``<job>.rank<r>.json`` with an ``errors`` list, and return those records;
+    a failed launch, or any rank's error, raises :class:`~.report.CheckFailed` with ``fix`` (the first error and the
+    count)."""
+    from .report import CheckFailed
+
+    out.mkdir(parents=True, exist_ok=True)
+    run = launch_on(backend, world, job, args, out, timeout_s)
+    if not run.ok:
+        raise CheckFailed(run.failure(), fix)
+    ranks = [json.loads((out / f"{job}.rank{r}.json").read_text()) for r in range(world)]
+    errors = [e for r in ranks for e in r["errors"]]
+    if errors:
+        raise CheckFailed(f"{len(errors)} wrong result(s), first: {errors[0]}", fix)
+    return ranks
 
 
 def launch_ranks(world: int, job: str, args: list[str], out: Path, env: dict[str, str], timeout_s: float) -> Launch:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .launch import host_threads, launch_ranks
+from .launch import launch_on
 from .report import CheckFailed, CheckSkipped, Result, run_check
 
 FIX = "docs/troubleshooting.md#selftest-training: `gspo-ascend doctor` (MindSpeed / megatron pins); actor.engine=fsdp"
@@ -102,12 +102,10 @@ def _prepare(out: Path) -> tuple[str, dict[str, Any], torch.Tensor]:
 
 def _launch(backend, out: Path, megatron: bool) -> str | None:
     """Run the two ranks; None when they succeeded, else the one-line failure."""
-    on_host = backend.torch_device_type == "cpu"
-    env = host_threads(on_host) | ({"GSPO_DEVICE_SHIM": "1"} if backend.emulated else {})
     from .fixtures import KV2_DIR
 
-    args = ["--device", backend.name, "--model", str(out / KV2_DIR)] + (["--megatron"] if megatron else [])
-    run = launch_ranks(2, "training", args, out, env, TIMEOUT_S)
+    args = ["--model", str(out / KV2_DIR)] + (["--megatron"] if megatron else [])
+    run = launch_on(backend, 2, "training", args, out, TIMEOUT_S)
     return None if run.ok else run.failure()
 
 

@@ -225,23 +225,38 @@ def test_mc2_is_exact_on_the_emulated_npu_and_each_injected_op_fault_fails_it(np
         assert "HCCL_BUFFSIZE" in failed.value.fix
 
 
-def test_mc2_operands_keep_every_sum_exact_in_bf16():
-    """The check's exactness rests on its inputs: 0 / 1 entries, <= 32 ones per row, so a row of x @ w is at most
-    32 and a sum over 8 ranks at most 256, an integer bf16 represents exactly."""
+def test_mc2_operands_keep_every_sum_exact_in_bf16_and_differ_per_rank():
+    """The check's exactness rests on its inputs: 0 / 1 entries, 32 ones per row, so a row of x @ w is at most 32
+    and a sum over 8 ranks at most 256, an integer bf16 represents exactly; and it sees a misrouted block only
+    because every rank's inputs differ."""
     from gspo_ascend.selftest import mc2
 
-    x, w = mc2._operands(3, 8, "cpu")
-    assert x.dtype == w.dtype == torch.bfloat16 and x.shape == (mc2.M, mc2.K) and w.shape == (mc2.K, mc2.N)
-    assert set(x.unique().tolist()) == set(w.unique().tolist()) == {0.0, 1.0}
-    assert int(x.sum(1).max()) == mc2.ONES_PER_ROW and 8 * mc2.ONES_PER_ROW <= 256
-    assert not torch.equal(x, mc2._operands(4, 8, "cpu")[0])  # each rank its own shard
+    xs, ys, w = mc2._operands(8)
+    assert xs.dtype == ys.dtype == w.dtype == torch.bfloat16 and w.shape == (mc2.K, mc2.N)
+    assert xs.shape == (8, mc2.M, mc2.K) and ys.shape == (8, 8 * mc2.M, mc2.K)
+    for t in (xs, ys, w):
+        assert set(t.unique().tolist()) == {0.0, 1.0}
+    assert set(xs.float().sum(-1).unique().tolist()) == set(ys.float().sum(-1).unique().tolist()) == {32.0}
+    assert 8 * mc2.ONES_PER_ROW <= 256
+    assert all(not torch.equal(xs[0], xs[r]) and not torch.equal(ys[0], ys[r]) for r in range(1, 8))
+    blocks = [ys[:, r * mc2.M : (r + 1) * mc2.M].float().sum(0) @ w.float() for r in range(8)]
+    assert max(float(b.max()) for b in blocks) <= 256 and not torch.equal(blocks[0], blocks[1])
 
 
-def test_mc2_is_skipped_off_ascend_and_on_world_sizes_the_kernels_do_not_take(npu, tmp_path):
+def test_mc2_is_skipped_off_ascend_and_below_two_devices(npu, tmp_path):
     from gspo_ascend.selftest import mc2
 
     with pytest.raises(CheckSkipped, match="MC2 is torch_npu's \\(Ascend\\); this is a cpu node"):
         mc2.check_mc2(CPU, 2, tmp_path)
-    for devices in (1, 3, 16):
-        with pytest.raises(CheckSkipped, match=f"2, 4 or 8 devices in torch-npu 2.7.1 \\(--devices {devices}\\)"):
-            mc2.check_mc2(npu, devices, tmp_path)
+    with pytest.raises(CheckSkipped, match="needs at least 2 devices \\(--devices 1\\)"):
+        mc2.check_mc2(npu, 1, tmp_path)
+
+
+def test_mc2_runs_on_the_largest_world_the_kernels_take(npu, monkeypatch, tmp_path):
+    """torch-npu 2.7.1 documents MC2 for 2, 4 or 8 ranks: 3 devices run it on 2, and say so."""
+    from gspo_ascend.selftest import mc2
+
+    monkeypatch.delenv(selftest_fault.ENV, raising=False)
+    detail = mc2.check_mc2(npu, 3, tmp_path)
+    assert "exact on 2 of 3 devices (MC2 takes 2, 4 or 8 ranks)" in detail
+    assert sorted(p.name for p in tmp_path.glob("mc2.rank*.json")) == ["mc2.rank0.json", "mc2.rank1.json"]

@@ -311,11 +311,13 @@ def test_validation_scorer_failures_go_to_the_run_reward_log_with_one_warning(tm
     assert "validation at step 4 sample 1 [src] error:" in log and "KeyError: 'no table for 6'" in log
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "failed on 1 of 3 samples in validation at step 4" in warnings[0]
-    validate(run, 8)  # the run's one warning is spent; the log keeps every failure
+    validate(run, 8)  # validation's one warning is spent; the log keeps every failure
     assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert "validation at step 8: 1 of 3" in (tmp_path / "run" / REWARD_ERRORS_NAME).read_text()
 
     result = evaluate(val_set, generate_each, cfg, tok)
+    run.reward_log.warn_once(9, result.scored)  # training's failures keep a warning of their own
+    assert "failed on 1 of 3 samples at step 9 (1 errors" in capsys.readouterr().err
     log_failures(RewardErrorLog(tmp_path / "eval"), result, phase="eval")
     assert "eval: 1 of 3 scored samples failed" in (tmp_path / "eval" / REWARD_ERRORS_NAME).read_text()
     assert "1 of 3 samples in eval (1 errors" in capsys.readouterr().err

@@ -346,11 +346,18 @@ def trl_trainer(cfg, args, records, model_path: str, output_dir: str, clock, sid
 # ----------------------------------------------------------------------------------------------- the side processes
 
 
-def side_setup(args: argparse.Namespace):
-    """In a side process: ``build(side)`` for :func:`e2e_sides.side_worker`."""
+def prompts_of(cfg, model: str, data):
+    """The prompts as our trainer loads them (chat template, length filter): what every side is given."""
     from gspo_ascend.data import load_prompts
     from gspo_ascend.runtime import load_tokenizer
 
+    d = cfg.data
+    tokenizer = load_tokenizer(cfg, model)
+    return load_prompts(data, d.prompt_key, tokenizer, d.max_prompt_length, d.overlong_prompts, answer_key=d.answer_key)
+
+
+def side_setup(args: argparse.Namespace):
+    """In a side process: ``build(side)`` for :func:`e2e_sides.side_worker`."""
     model, data = model_and_data(args)
     work = Path(args.work_dir)
 
@@ -358,15 +365,7 @@ def side_setup(args: argparse.Namespace):
         cfg = our_config(args, str(work / side.name), side, model, data)
         if side.trainer == "ours":
             return cfg, None
-        d = cfg.data
-        records = load_prompts(
-            data,
-            d.prompt_key,
-            load_tokenizer(cfg, model),
-            d.max_prompt_length,
-            d.overlong_prompts,
-            answer_key=d.answer_key,
-        ).records
+        records = prompts_of(cfg, model, data).records
 
         def make(between, trainer_cls):
             clock = rollout_clock(MINIBATCHES, between=between)
@@ -510,9 +509,6 @@ def engine_saving(results: list[SideResult]) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gspo_ascend.data import load_prompts
-    from gspo_ascend.runtime import load_tokenizer
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)
@@ -521,15 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gspo-bench-") as tmp:
             model, data = model_and_data(args)
             cfg = our_config(args, str(Path(tmp) / "check"), None, model, data)
-            d = cfg.data
-            records = load_prompts(
-                data,
-                d.prompt_key,
-                load_tokenizer(cfg, model),
-                d.max_prompt_length,
-                d.overlong_prompts,
-                answer_key=d.answer_key,
-            )
+            records = prompts_of(cfg, model, data)
             before = os.getloadavg()[0]
             command = [sys.executable, str(Path(__file__).resolve()), *argv]
             envs = [(n, side_env(SIDES[n], our_config(args, tmp, SIDES[n], model, data), model)) for n in args.sides]

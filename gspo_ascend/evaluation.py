@@ -68,7 +68,7 @@ def main_eval(args: argparse.Namespace) -> int:
     from .device import get_backend
     from .rewards.report import RewardErrorLog
     from .runtime import load_tokenizer, resolve_model_path
-    from .validation import evaluate, load_val_set, log_failures, requests
+    from .validation import evaluate, load_val_set, log_failures
 
     cfg = eval_config(args)
     backend = get_backend(cfg.trainer.device)
@@ -76,7 +76,8 @@ def main_eval(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(cfg, model_path)
     val_set = load_val_set(cfg, tokenizer, model_path, files=list(cfg.data.val_files))
     out_dir = Path(args.output).expanduser() if args.output else default_output(model_path)
-    progress = Progress(len(requests(val_set, cfg)), len(val_set.records), cfg.validation.batch_size)
+    size = cfg.validation.batch_size
+    progress = Progress(-(-len(val_set.records) // size), len(val_set.records), size)  # chunks, as requests() cuts
     print(
         f"eval: {model_path} on {len(val_set.records)} prompts x n={cfg.validation.n} "
         f"({', '.join(val_set.files)}), rollout.engine={cfg.rollout.engine}" + (" through Ray" if args.ray else ""),

@@ -29,10 +29,16 @@ class Run:
     resume_from: Path | None
     workers: Any = None  # workers.WorkerGroup, started last
     logger: Any = None  # metrics.MetricsLogger
-    reward_log: Any = None  # rewards.report.RewardErrorLog, made at the first scored step
+    reward_log: Any = None  # rewards.report.RewardErrorLog: <output_dir>/reward_errors.log, written at a failure
     start_step: int = 0
     lock: Any = None  # rundir.RunLock on output_dir, released by trainer.stop
     val_set: Any = None  # validation.ValSet; None = validation off
+
+    def __post_init__(self) -> None:
+        if self.reward_log is None:  # training's and validation's scorer failures (opens no file until one)
+            from .rewards.report import RewardErrorLog
+
+            self.reward_log = RewardErrorLog(self.output_dir)
 
 
 def resolve_model_path(cfg: Config) -> str:

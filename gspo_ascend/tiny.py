@@ -368,7 +368,7 @@ def supervised_pass(
         if packed:
             row, lengths = _packed(batch)
             with packed_attention.packed_forward():
-                loss = model(**row, use_cache=False, **packed_attention.forward_kwargs(model, lengths, "cpu")).loss
+                loss = model(**row, use_cache=False, **packed_attention.forward_kwargs(model, lengths)).loss
         else:
             ids, mask, labels = _collate(batch, pad_id)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss

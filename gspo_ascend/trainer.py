@@ -149,10 +149,6 @@ def rollout(run: Run, prompts: list[Any], step: int) -> SampleBatch:
 
 def score(run: Run, batch: SampleBatch, prompts: list[Any], step: int) -> tuple[torch.Tensor, dict[str, float]]:
     from .rewards import compute_rewards
-    from .rewards.report import RewardErrorLog
-
-    if run.reward_log is None:  # failures -> <output_dir>/reward_errors.log, one warning, the rate limit
-        run.reward_log = RewardErrorLog(run.output_dir)
 
     rc = run.cfg.reward
     rows = [prompts[int(g)] for g in batch.group_index]

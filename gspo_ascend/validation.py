@@ -162,10 +162,6 @@ def summarize(results: Sequence[PromptResult], n: int, ks: Sequence[int]) -> dic
     return out
 
 
-def accuracy_key(n: int, name: str = OVERALL) -> str:
-    return f"{PREFIX}/{name}/mean@{n}"
-
-
 # ----------------------------------------------------------------------------------------------- the prompts
 
 
@@ -217,7 +213,7 @@ def prepare_val_set(cfg: Any, tokenizer: Any, model_path: str) -> ValSet | None:
 def load_val_set(cfg: Any, tokenizer: Any, model_path: str, files: list[str] | None = None) -> ValSet:
     """The validation prompts of ``files`` (default: :func:`resolve_val_files`), tokenized like training prompts;
     one line (exit 2) for a missing, unreadable or empty file, or when there is none."""
-    from .data import load_prompts
+    from .data import load_prompts, report_filtered
 
     files = resolve_val_files(cfg) if files is None else files
     if not files:
@@ -234,12 +230,7 @@ def load_val_set(cfg: Any, tokenizer: Any, model_path: str, files: list[str] | N
     except UserError as exc:
         raise UserError(f"data.val_files: {exc}") from None
     keep = select_prompts(len(data), cfg.validation.max_prompts)
-    if data.num_filtered:
-        print(
-            f"validation: {data.num_filtered} prompts of {', '.join(files)} are longer than data.max_prompt_length="
-            f"{d.max_prompt_length} tokens and are not validated",
-            flush=True,
-        )
+    report_filtered(data, d.max_prompt_length, of=" of validation")
     records = [data[i] for i in keep]
     return ValSet(
         records, list(data.files), data.num_filtered, len(data), frozenset(eos_token_ids(model_path, tokenizer))
@@ -415,14 +406,10 @@ def due(run: Any, step: int) -> dict[str, float]:
 
 
 def validate(run: Any, step: int) -> dict[str, float]:
-    from .rewards.report import RewardErrorLog
-
     start = time.perf_counter()
     result = evaluate(run.val_set, run.workers.generate_each, run.cfg, run.tokenizer)
     v = run.cfg.validation
     write_generations(run.output_dir / VAL_DIR / f"step_{step:08d}.jsonl", result.rows, v.log_prompts, v.n)
-    if run.reward_log is None:
-        run.reward_log = RewardErrorLog(run.output_dir)
     log_failures(run.reward_log, result, step)
     return result.metrics | {"time/validation_s": time.perf_counter() - start}
 

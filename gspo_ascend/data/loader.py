@@ -146,13 +146,14 @@ def load_prompts(
     return PromptDataset(records, filtered, [str(p) for p in paths])
 
 
-def report_filtered(dataset: PromptDataset, max_prompt_length: int) -> None:
-    """One line on stderr when ``overlong="filter"`` left prompts out (nothing when none were)."""
+def report_filtered(dataset: PromptDataset, max_prompt_length: int, of: str = "") -> None:
+    """One line on stderr when ``overlong="filter"`` left prompts out (nothing when none were); ``of``: out of what
+    ("" for training, " of validation")."""
     if dataset.num_filtered:
         total = dataset.num_filtered + len(dataset)
         print(
             f"warning: {dataset.num_filtered} of {total} prompts in {', '.join(dataset.files)} are longer than "
-            f"data.max_prompt_length={max_prompt_length} tokens and were left out (data.overlong_prompts=filter; "
+            f"data.max_prompt_length={max_prompt_length} tokens and were left out{of} (data.overlong_prompts=filter; "
             "=error stops instead); raise data.max_prompt_length to keep them",
             file=sys.stderr,
             flush=True,

@@ -121,7 +121,7 @@ def _packed_logits(model, prompts, responses, device) -> tuple[torch.Tensor, _Ta
             position_ids=torch.tensor([pos], device=device),
             use_cache=False,  # a cache (or a 2-D mask) would switch off transformers' packed-sequence mask
             logits_to_keep=torch.tensor(targets.keep or [0], device=device),
-            **packed_attention.forward_kwargs(model, lengths, device),  # per-sequence attention where enabled
+            **packed_attention.forward_kwargs(model, lengths),  # per-sequence attention where enabled
         ).logits
     return logits[0], targets  # [len(keep), V], in the order of targets.labels
 

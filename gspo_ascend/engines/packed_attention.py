@@ -41,8 +41,29 @@ SUPPORTED = ("sdpa", "eager")
 _PACKED = contextvars.ContextVar("gspo_packed_forward", default=False)
 
 
-def inner_of(name: str) -> str:
-    return name[len(PREFIX) :] if name.startswith(PREFIX) else name
+def inner_of(name: str, prefix: str = PREFIX) -> str:
+    """The implementation a ``<prefix><inner>`` hook wraps (``name`` itself when it is not one)."""
+    return name[len(prefix) :] if name.startswith(prefix) else name
+
+
+def inner_mask_function(config: Any, prefix: str = PREFIX):
+    """The mask builder of the implementation a hook wraps (None where transformers registers none)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(inner_of(config._attn_implementation, prefix))
+
+
+def register(model: torch.nn.Module, prefix: str, forward: Any, mask_forward: Any) -> str:
+    """Register ``forward`` / ``mask_forward`` as the ``<prefix><inner>`` implementation and switch ``model`` to it
+    (also the Ulysses hook's, engines/ulysses.py); returns the inner implementation's name."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    inner = inner_of(model.config._attn_implementation, prefix)
+    AttentionInterface.register(prefix + inner, forward)
+    AttentionMaskInterface.register(prefix + inner, mask_forward)
+    model.config._attn_implementation = prefix + inner
+    return inner
 
 
 def inner_function(inner: str, module: torch.nn.Module):
@@ -79,7 +100,8 @@ def attention_forward(
         return fn(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         raise ValueError("packed attention takes one row of self-attention without a mask (the sequences are the mask)")
-    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+    same = cu_seq_lens_k is None or cu_seq_lens_k is cu_seq_lens_q  # forward_kwargs passes one tensor twice
+    if not same and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError("packed attention needs the same query and key boundaries (self-attention)")
     bounds = cu_seq_lens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
@@ -100,18 +122,12 @@ def attention_mask_forward(*args: Any, **kwargs: Any):
     decode step builds the mask it always did); inside :func:`packed_forward` none (the sequences are the mask)."""
     if _PACKED.get():
         return None
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    inner = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[inner_of(kwargs["config"]._attn_implementation)]
-    return inner(*args, **kwargs)
+    return inner_mask_function(kwargs["config"])(*args, **kwargs)
 
 
 def enable(model: torch.nn.Module) -> bool:
     """Route ``model``'s attention through ``packed_<inner>`` when it runs ``sdpa`` / ``eager`` over full attention
     only (sliding windows are left alone); returns whether it did. Idempotent."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     config = model.config
     if is_enabled(model):
         return True
@@ -119,9 +135,7 @@ def enable(model: torch.nn.Module) -> bool:
     sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     if inner not in SUPPORTED or sliding or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return False
-    AttentionInterface.register(PREFIX + inner, attention_forward)
-    AttentionMaskInterface.register(PREFIX + inner, attention_mask_forward)
-    config._attn_implementation = PREFIX + inner
+    register(model, PREFIX, attention_forward, attention_mask_forward)
     return True
 
 
@@ -129,13 +143,16 @@ def is_enabled(model: torch.nn.Module) -> bool:
     return str(getattr(model.config, "_attn_implementation", "")).startswith(PREFIX)
 
 
-def forward_kwargs(model: torch.nn.Module, lengths: list[int], device: torch.device) -> dict[str, Any]:
+def forward_kwargs(model: torch.nn.Module, lengths: list[int]) -> dict[str, Any]:
     """Keywords of a packed forward of sequences of ``lengths`` tokens (in row order) for a model :func:`enable`
     routed: the boundaries (run the forward inside :func:`packed_forward`, so transformers builds no [N, N] mask).
-    {} otherwise (the model then derives the block-diagonal mask from the restarting positions, as before)."""
+    {} otherwise (the model then derives the block-diagonal mask from the restarting positions, as before).
+
+    The boundaries stay on the host whatever the model's device: only :func:`attention_forward` reads them, as a
+    list, in every layer; on a device that read would wait for the device each time."""
     if not is_enabled(model):
         return {}
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     longest = max(lengths, default=0)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 

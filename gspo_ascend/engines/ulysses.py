@@ -150,7 +150,7 @@ class SPRow:
     group: Any
     size: int
     position_ids: torch.Tensor  # [1, N] the whole row's positions (N a multiple of size)
-    cu_seq_lens: torch.Tensor  # [S + 1] int32 sequence boundaries over the row, from 0 (the padding tail is one)
+    cu_seq_lens: torch.Tensor  # [S + 1] int32 sequence boundaries over the row, from 0 (the padding tail is one), host
 
 
 def _module_view(module: torch.nn.Module, groups: int, inner: str) -> torch.nn.Module:
@@ -173,20 +173,14 @@ class _ConfigView:
 
 
 def inner_of(name: str) -> str:
-    return name[len(PREFIX) :] if name.startswith(PREFIX) else name
-
-
-def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
-    """[B, H, S, D] -> [B, H * times, S, D], each head ``times`` times in a row (transformers' repeat_kv)."""
-    if times == 1:
-        return x
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, times, s, d).reshape(b, h * times, s, d)
+    return packed_attention.inner_of(name, PREFIX)
 
 
 def attention_forward(module, query, key, value, attention_mask, ulysses: SPRow | None = None, **kwargs):
     """The ``ulysses_<inner>`` attention implementation. query [B, H, N / SP, D], key / value [B, KV, N / SP, D]
     -> ([B, N / SP, H, D], None). Without ``ulysses`` (a forward outside the SP path) it is the inner implementation."""
+    from transformers.models.llama.modeling_llama import repeat_kv  # [B, KV, S, D] -> each head n times in a row
+
     inner = inner_of(module.config._attn_implementation)
     if ulysses is None:
         return packed_attention.inner_function(inner, module)(module, query, key, value, attention_mask, **kwargs)
@@ -194,7 +188,7 @@ def attention_forward(module, query, key, value, attention_mask, ulysses: SPRow 
         raise ValueError("Ulysses SP attention takes no attention mask (sequences are found from the full row)")
     times = kv_repeats(ulysses.size, key.shape[1])
     q = exchange(query, ulysses)
-    k, v = (exchange(_repeat_heads(t, times), ulysses) for t in (key, value))
+    k, v = (exchange(repeat_kv(t, times), ulysses) for t in (key, value))
     view = _module_view(module, q.shape[1] // k.shape[1], inner)
     kwargs = {**kwargs, "position_ids": ulysses.position_ids}  # the row's, not this rank's slice's
     if inner in packed_attention.SUPPORTED:  # sdpa / eager: once per sequence, causal, unmasked
@@ -207,18 +201,13 @@ def attention_forward(module, query, key, value, attention_mask, ulysses: SPRow 
 def attention_mask_forward(*args, **kwargs):
     """The mask builder registered beside :func:`attention_forward`: the inner implementation's, so a forward outside
     the SP path is that implementation's exactly. The SP path builds no mask (it passes an empty mask mapping)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    inner = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(inner_of(kwargs["config"]._attn_implementation))
+    inner = packed_attention.inner_mask_function(kwargs["config"], PREFIX)
     return inner(*args, **kwargs) if inner is not None else None
 
 
 def enable(model: torch.nn.Module, sp: int) -> str:
     """Route ``model``'s attention through the hook (after any NPU patches chose the inner implementation);
     returns the inner implementation's name. Refuses (ConfigError, one line) what the hook cannot run."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     from gspo_ascend.errors import ConfigError
 
     config = model.config
@@ -230,10 +219,7 @@ def enable(model: torch.nn.Module, sp: int) -> str:
             f"config key '{KEY}' ({sp}) needs one of {', '.join(SUPPORTED)} attention; the model runs {inner!r} "
             "(model.attn_implementation)"
         )
-    AttentionInterface.register(PREFIX + inner, attention_forward)
-    AttentionMaskInterface.register(PREFIX + inner, attention_mask_forward)
-    config._attn_implementation = PREFIX + inner
-    return inner
+    return packed_attention.register(model, PREFIX, attention_forward, attention_mask_forward)
 
 
 # ----------------------------------------------------------------------------------------------- log-probs
@@ -261,7 +247,7 @@ def forward_log_probs(
         ids, pos, ends = ids + [pad_id] * padding, pos + list(range(padding)), ends + [len(ids) + padding]
     mine = [j for j, k in enumerate(targets.keep) if first <= k < end]
     device = next(model.parameters()).device
-    cu_seq_lens = torch.tensor([0, *ends], dtype=torch.int32, device=device)
+    cu_seq_lens = torch.tensor([0, *ends], dtype=torch.int32)  # on the host: read as a list in every layer
     row = SPRow(sp.group, sp.size, torch.tensor([pos], device=device), cu_seq_lens)
     layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     logits = model(

@@ -12,6 +12,20 @@ import torch
 from ..engines.base import SampleBatch
 
 KV2_DIR = "tiny-qwen3-kv2"
+MINIBATCHES = 2
+# the update the engine comparisons make (two engines, or one before and after a checkpoint): a few micro-batches
+# per minibatch, a warm-up and a clip that act, and clip ratios far outside the paper's [1 - 3e-4, 1 + 4e-4],
+# which would clip every sequence and leave no gradient to compare
+UPDATE_OVERRIDES = [
+    f"algorithm.minibatches_per_rollout={MINIBATCHES}",
+    "rollout.n=4",
+    "actor.micro_batch_size=3",
+    "actor.lr=1e-5",
+    "actor.warmup_steps=2",
+    "actor.grad_clip=1.0",
+    "algorithm.clip_ratio_low=0.2",
+    "algorithm.clip_ratio_high=0.3",
+]
 
 
 def make_kv2_model(src: str | Path, out: Path) -> Path:

@@ -86,21 +86,31 @@ def rank_records(backend, world: int, job: str, args: list[str], out: Path, time
 
 def launch_ranks(world: int, job: str, args: list[str], out: Path, env: dict[str, str], timeout_s: float) -> Launch:
     """Run ``world`` ranks of ``job`` and wait (at most ``timeout_s`` for all of them together)."""
+    procs, logs = start_ranks(world, ["-m", "gspo_ascend.selftest.rank", job, "--out", str(out), *args], out, job, env)
+    return Launch(_wait(procs, timeout_s), logs)
+
+
+def start_ranks(
+    world: int, argv: list[str], out: Path, stem: str, env: dict[str, str], cwd: Path | None = None
+) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Start ``python argv...`` once per rank, torchrun-style (RANK = LOCAL_RANK = r, WORLD_SIZE, MASTER_* on a
+    free local port, over the environment plus ``env``), rank r's output in ``<out>/<stem>.rank<r>.log``."""
     base = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
     procs, logs = [], []
     for rank in range(world):
-        log = out / f"{job}.rank{rank}.log"
+        log = out / f"{stem}.rank{rank}.log"
         logs.append(log)
         with log.open("w") as sink:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "gspo_ascend.selftest.rank", job, "--out", str(out), *args],
+                    [sys.executable, *argv],
                     env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                     stdout=sink,
                     stderr=subprocess.STDOUT,
+                    cwd=cwd,
                 )
             )
-    return Launch(_wait(procs, timeout_s), logs)
+    return procs, logs
 
 
 def _wait(procs: list[subprocess.Popen], timeout_s: float, grace_s: float = 15.0) -> list[int | None]:

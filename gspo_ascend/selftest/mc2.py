@@ -24,6 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..doctor.preflight import MC2_TP_A2
 from .launch import rank_records
 from .report import CheckSkipped
 
@@ -32,7 +33,7 @@ FIX = (
     "HCCL_BUFFSIZE, or set actor.use_mc2=false"
 )
 OPS = ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")
-WORLD_SIZES = (2, 4, 8)  # torch-npu 2.7.1's op docs: "world_size ... 仅支持为2、4、8" (A3 adds 16)
+WORLD_SIZES = MC2_TP_A2  # torch-npu 2.7.1's op docs: "world_size ... 仅支持为2、4、8" (A3 adds 16)
 M, K, N = 64, 256, 128  # rows per rank, the contraction (k >= 256 in 2.7.1), columns
 ONES_PER_ROW = 32  # 8 ranks x 32 <= 256: every sum is an integer bf16 holds exactly
 TIMEOUT_S = 300

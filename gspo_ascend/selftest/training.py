@@ -33,26 +33,15 @@ from typing import Any
 
 import torch
 
+from .fixtures import MINIBATCHES, UPDATE_OVERRIDES
 from .launch import launch_on
 from .report import CheckFailed, CheckSkipped, Result, run_check
 
 FIX = "docs/troubleshooting.md#selftest-training: `gspo-ascend doctor` (MindSpeed / megatron pins); actor.engine=fsdp"
 TEMPERATURE = 0.7
-MINIBATCHES = 2
 TIMEOUT_S = 900
 BATCH = 8  # samples per batch: 2 minibatches x 2 ranks x 2
-BASE = [
-    f"data.train_batch_size={BATCH // 4}",
-    "rollout.n=4",
-    f"algorithm.minibatches_per_rollout={MINIBATCHES}",
-    "actor.micro_batch_size=3",
-    "actor.lr=1e-5",
-    "actor.warmup_steps=2",
-    "actor.grad_clip=1.0",
-    # ratios far outside the paper's [1 - 3e-4, 1 + 4e-4] would clip every sequence and leave no gradient
-    "algorithm.clip_ratio_low=0.2",
-    "algorithm.clip_ratio_high=0.3",
-]
+BASE = [f"data.train_batch_size={BATCH // 4}", *UPDATE_OVERRIDES]
 STAGES = ("fsdp", "megatron", "checkpoint")
 
 

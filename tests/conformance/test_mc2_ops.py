@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gspo_ascend.device.shim import npu_mc2_ops
-from tests.integration.launch import free_port
+from gspo_ascend.selftest.launch import free_port
 
 from . import torch_npu_real as real
 from .test_torch_npu_conformance import _op_doc

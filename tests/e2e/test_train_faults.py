@@ -27,6 +27,12 @@ def train_cmd(out: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "gspo_ascend.cli", "train", f"trainer.output_dir={out}", *SMALL, *overrides]
 
 
+def start_long_run(out: Path, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """A 50-step run in a session of its own, for the tests that kill part of it."""
+    cmd = train_cmd(out, "trainer.total_steps=50")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True)
+
+
 def read_metrics(out: Path) -> list[dict]:
     """The complete rows of metrics.jsonl (it may be read while a line is being written)."""
     rows = []
@@ -74,14 +80,7 @@ def test_a_dead_training_worker_is_one_line(tmp_path):
     """kill -9 of the training worker after step 1: one line naming the rank, its node and what to do, exit 1.
     Old code: two chained ActorDiedError tracebacks (the step's, then the shutdown's), ~90 lines."""
     out = tmp_path / "run"
-    driver = subprocess.Popen(
-        train_cmd(out, "trainer.total_steps=50"),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    driver = start_long_run(out, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 600
         while not any(r["step"] == 1 for r in read_metrics(out)):
@@ -121,13 +120,7 @@ def test_kill_9_of_the_driver_leaves_no_worker_behind(tmp_path):
     started, the reward workers and multiprocessing's resource tracker all go. Old code: the reward workers and
     the resource tracker lived on with PPID 1, blocked on their queue, until someone killed them."""
     out = tmp_path / "run"
-    driver = subprocess.Popen(
-        train_cmd(out, "trainer.total_steps=50"),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    driver = start_long_run(out)
     left: list[int] = []
     try:
         deadline = time.monotonic() + 600

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from gspo_ascend.selftest.launch import start_ranks
 from tests.conftest import REPO
 
 # the multi-process megatron test modules: slow, and skipped where megatron-core / mbridge are absent
@@ -35,36 +33,13 @@ def rank_results(out_dir: Path) -> dict:
     return found
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch_ranks(world_size: int, argv: list[str], log_stem: str, out_dir: Path, timeout_s: float) -> None:
     """Run ``python argv...`` once per rank; on any failure, fail the test with every rank's log tail."""
     env = {
-        **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(world_size),
         "OMP_NUM_THREADS": "1",  # N ranks on 2 cores: one thread each, or they fight
     }
-    procs, logs = [], []
-    for rank in range(world_size):
-        log = out_dir / f"{log_stem}.rank{rank}.log"
-        logs.append(log)
-        with log.open("w") as sink:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, *argv],
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                )
-            )
+    procs, logs = start_ranks(world_size, argv, out_dir, log_stem, env, cwd=REPO)
     try:
         codes = [proc.wait(timeout=timeout_s) for proc in procs]
     finally:

@@ -23,24 +23,11 @@ from gspo_ascend.device import get_backend
 from gspo_ascend.engines.base import SampleBatch
 from gspo_ascend.engines.microbatch import dp_shard
 from gspo_ascend.selftest import fixtures
-from gspo_ascend.selftest.fixtures import KV2_DIR
+from gspo_ascend.selftest.fixtures import KV2_DIR, MINIBATCHES, UPDATE_OVERRIDES
 from gspo_ascend.tiny import ensure_tiny_model
 
 TEMPERATURE = 0.7
-MINIBATCHES = 2
-BASE = [
-    "actor.engine=megatron",
-    "data.train_batch_size=4",
-    f"algorithm.minibatches_per_rollout={MINIBATCHES}",
-    "rollout.n=4",
-    "actor.micro_batch_size=3",
-    "actor.lr=1e-5",
-    "actor.warmup_steps=2",
-    "actor.grad_clip=1.0",
-    # ratios far outside [1 - 3e-4, 1 + 4e-4] would clip every sequence and leave no gradient to compare
-    "algorithm.clip_ratio_low=0.2",
-    "algorithm.clip_ratio_high=0.3",
-]
+BASE = ["actor.engine=megatron", "data.train_batch_size=4", *UPDATE_OVERRIDES]
 KL = ["algorithm.kl_coef=0.5"]
 BENCH = ["data.train_batch_size=16", "rollout.n=8", "algorithm.minibatches_per_rollout=4", "actor.micro_batch_size=16"]
 CASES = {

@@ -54,7 +54,7 @@ def test_packed_row_equals_one_forward_per_sequence(model_path, attn):
     ids, pos = packed_inputs(LENGTHS)
     with torch.no_grad():
         expected = separate_logits(load(model_path, attn), ids, LENGTHS)
-        kwargs = packed_attention.forward_kwargs(model, LENGTHS, ids.device)
+        kwargs = packed_attention.forward_kwargs(model, LENGTHS)
         with packed_attention.packed_forward():
             got = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits
         # the same model without the boundaries attends across the whole row: a leak would be O(0.1)
@@ -75,7 +75,7 @@ def test_moe_models_that_build_their_mask_from_attention_mask_take_the_packed_ro
     ids, pos = packed_inputs(LENGTHS)
     with torch.no_grad(), packed_attention.packed_forward():
         got = model(input_ids=ids, position_ids=pos, use_cache=False,
-                    **packed_attention.forward_kwargs(model, LENGTHS, "cpu")).logits  # fmt: skip
+                    **packed_attention.forward_kwargs(model, LENGTHS)).logits  # fmt: skip
     with torch.no_grad():
         expected = separate_logits(load(path, "sdpa", torch.float32), ids, LENGTHS)
     assert (got - expected).abs().max() <= 1e-5
@@ -86,7 +86,7 @@ def test_gradients_equal_the_sum_of_per_sequence_gradients(model_path):
     packed_attention.enable(model)
     ids, pos = packed_inputs(LENGTHS, seed=1)
     weights = torch.randn(sum(LENGTHS), model.config.vocab_size, generator=torch.Generator().manual_seed(2))
-    kwargs = packed_attention.forward_kwargs(model, LENGTHS, ids.device)
+    kwargs = packed_attention.forward_kwargs(model, LENGTHS)
     with packed_attention.packed_forward():
         logits = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits
     (logits[0] * weights).sum().backward()
@@ -117,7 +117,7 @@ def test_no_row_mask_is_built_and_attention_runs_once_per_sequence(model_path, m
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
     ids, pos = packed_inputs(LENGTHS)
-    kwargs = packed_attention.forward_kwargs(model, LENGTHS, "cpu")
+    kwargs = packed_attention.forward_kwargs(model, LENGTHS)
     with torch.no_grad(), packed_attention.packed_forward():
         model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
     layers = model.config.num_hidden_layers
@@ -162,14 +162,14 @@ def test_enable_leaves_varlen_and_sliding_window_models_alone(model_path):
     windowed = load(model_path, "sdpa")
     windowed.config.layer_types = ["sliding_attention"] * windowed.config.num_hidden_layers
     assert not packed_attention.enable(windowed) and windowed.config._attn_implementation == "sdpa"
-    assert packed_attention.forward_kwargs(windowed, [3, 4], "cpu") == {}  # the old packed path, mask and all
+    assert packed_attention.forward_kwargs(windowed, [3, 4]) == {}  # the old packed path, mask and all
 
 
 def test_boundaries_that_do_not_cover_the_row_are_refused(model_path):
     model = load(model_path, "sdpa")
     packed_attention.enable(model)
     ids, pos = packed_inputs([3, 4])
-    kwargs = packed_attention.forward_kwargs(model, [3, 3], "cpu")
+    kwargs = packed_attention.forward_kwargs(model, [3, 3])
     with pytest.raises(ValueError, match="does not cover the row"), packed_attention.packed_forward():
         model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
 

@@ -301,7 +301,7 @@ def test_validation_scorer_failures_go_to_the_run_reward_log_with_one_warning(tm
         cfg=cfg,
         tokenizer=tok,
         output_dir=tmp_path / "run",
-        reward_log=None,
+        reward_log=RewardErrorLog(tmp_path / "run"),  # what runtime.Run makes
         workers=SimpleNamespace(generate_each=generate_each),
     )
     metrics = validate(run, 4)

@@ -110,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="preset of model, length, steps, sides")
     p.add_argument("--sides", default=None, help=f"comma-separated, of: {', '.join(SIDES)} (default: the shape's)")
     p.add_argument("--model", choices=("tiny", "small"), default=None, help="make-tiny-model size (default: shape's)")
+    p.add_argument("--model-dir", type=Path, default=None, help="a built make-tiny-model directory (not --model's)")
     p.add_argument("--steps", type=int, default=None, help="rollout batches per side, the first is warm-up")
     p.add_argument("--batch", type=int, default=16, help="prompts per rollout batch (a multiple of 4)")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (>= 2)")
@@ -150,7 +151,12 @@ def model_and_data(args: argparse.Namespace) -> tuple[str, list[str]]:
     from gspo_ascend.runtime import embedded_data_dir
     from gspo_ascend.tiny import ensure_tiny_model
 
-    return str(ensure_tiny_model(size=args.model)), [str(embedded_data_dir() / "train.parquet")]
+    data = [str(embedded_data_dir() / "train.parquet")]
+    if args.model_dir is not None:  # e.g. one built on the GPU (make-tiny-model --device): used as it is
+        if not (args.model_dir / "config.json").is_file():
+            raise UserError(f"--model-dir {args.model_dir}: no config.json there; build it with make-tiny-model")
+        return str(args.model_dir), data
+    return str(ensure_tiny_model(size=args.model)), data
 
 
 def our_config(args: argparse.Namespace, output_dir: str, side: Side | None = None, model: str = "", data=()):
@@ -443,7 +449,8 @@ def report(results: list[SideResult], args: argparse.Namespace, filtered: int, l
         paired = statistics.median(a / b for a, b in zip(ours.step_s[1:], trl.step_s[1:], strict=True))
     order = "one side after the other" if args.sequential else "in turns, one rollout batch per side"
     print(
-        f"\nGSPO end-to-end, model {args.model}, {args.batch} prompts x n={args.n}, up to {args.max_new_tokens} new "
+        f"\nGSPO end-to-end, model {args.model_dir or args.model}, {args.batch} prompts x n={args.n}, up to "
+        f"{args.max_new_tokens} new "
         f"tokens, {MINIBATCHES} minibatches/rollout batch, device {args.device}, {order}, first step excluded; "
         f"load average {load[0]:.1f} before, {load[1]:.1f} after (1 min)"
     )

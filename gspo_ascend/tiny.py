@@ -16,6 +16,11 @@ How we differ from verl: verl's CPU/e2e tests download Qwen2.5-0.5B (and a token
 on gsm8k; a hub-free run needs a model whose reward is not stuck at 0 (nothing to learn from) or 1 (nothing to
 learn), small enough for CPU rollouts. The noisy second phase is what places it there, by design rather than
 by stopping the first phase at a lucky step.
+
+``--device`` (default cpu) runs the warm start and the accuracy eval on an accelerator through the device contract:
+the "small" size takes ~40 min on two CPU cores, seconds on a GPU. The weights are initialised on the CPU either way
+and saved from it; a device's kernels round differently, so its model is another model than the CPU one, and the
+manifest records where it was built (:func:`ensure_tiny_model` tells them apart).
 """
 
 from __future__ import annotations
@@ -361,16 +366,18 @@ def supervised_pass(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
+    device = next(model.parameters()).device  # the batches are built on the host and go where the model is
     model.train()
     losses = []
     for step in range(steps):
         batch = examples[step * batch_size : (step + 1) * batch_size]
         if packed:
             row, lengths = _packed(batch)
+            row = {key: value.to(device) for key, value in row.items()}
             with packed_attention.packed_forward():
                 loss = model(**row, use_cache=False, **packed_attention.forward_kwargs(model, lengths)).loss
         else:
-            ids, mask, labels = _collate(batch, pad_id)
+            ids, mask, labels = (t.to(device) for t in _collate(batch, pad_id))
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -394,8 +401,9 @@ def sample_accuracy(model, tokenizer, records: list[dict], *, temperature: float
     tokenizer.padding_side = "left"  # decoder-only batch generation: pad on the left, generate on the right
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in records]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = {key: value.to(next(model.parameters()).device) for key, value in enc.items()}
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # seeds the accelerators' generators too: generate() samples on the model's device
     with torch.no_grad():
         out = model.generate(
             **enc,
@@ -404,7 +412,7 @@ def sample_accuracy(model, tokenizer, records: list[dict], *, temperature: float
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :].cpu(), skip_special_tokens=True)
     _, metrics = compute_rewards(texts, [r["answer"] for r in records])
     return metrics["reward/accuracy"], texts
 
@@ -470,15 +478,23 @@ def _evaluate(model, tokenizer, spec: TinySpec, seed: int) -> dict:
 
 
 @contextlib.contextmanager
-def _deterministic():
+def _deterministic(backend=None):
+    """Deterministic kernels for the build. On the CPU (``backend`` None or a host backend) strictly: the shipped
+    bytes depend on it. On an accelerator where possible: some kernels have no deterministic variant there, which
+    would abort the build, so those only warn (``warn_only``); and CUDA's cuBLAS is deterministic only with a fixed
+    workspace, which torch requires to be configured (CUBLAS_WORKSPACE_CONFIG) before its first matmul in the
+    process: set here unless the user chose one (torch reads it once, so it stays set)."""
     import torch
 
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+    on_host = backend is None or backend.torch_device_type == "cpu"
+    if backend is not None and backend.name == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=not on_host)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(previous)
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 def _check_output_dir(out: Path) -> None:
@@ -495,32 +511,42 @@ def make_tiny_model(
     noisy_sft_steps: int | None = None,
     evaluate: bool = True,
     size: str = "tiny",
+    device: str = "cpu",
     **overrides,
 ) -> dict:
     """Build, warm-start, evaluate and save a tiny model + tokenizer into ``output_dir``; returns the manifest.
 
     ``output_dir`` None = :func:`default_tiny_dir`. ``size`` names a preset of :data:`SIZES`; ``overrides`` are
-    :class:`TinySpec` fields on top of it (tests shrink the model with them). The directory is written next to the
-    target and renamed into place, so a reader never sees a half-built model; an existing tiny-model directory is
-    replaced.
+    :class:`TinySpec` fields on top of it (tests shrink the model with them). ``device`` (auto | cpu | cuda | npu,
+    as trainer.device) runs the warm start and the eval; an unusable one is a one-line DeviceError (exit 2) before
+    anything is built. The directory is written next to the target and renamed into place, so a reader never sees
+    a half-built model; an existing tiny-model directory is replaced.
     """
+    from .device import get_backend
+
+    backend = get_backend(device)
     spec = replace(TinySpec(moe=moe), **_size_overrides(size, overrides))
     spec = replace(spec, sft_steps=spec.sft_steps if sft_steps is None else sft_steps)
     spec = replace(spec, noisy_sft_steps=spec.noisy_sft_steps if noisy_sft_steps is None else noisy_sft_steps)
     out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe, size)
     _check_output_dir(out)
     start = time.perf_counter()
-    with _deterministic():
+    with _deterministic(backend):
         tokenizer = build_tokenizer(seed, spec.vocab_size, spec.max_operand, checks=spec.check_lines_mean > 0)
-        model = build_model(spec, tokenizer, seed)
+        # initialised on the CPU (the CPU generator, seeded): every device starts from the same weights
+        model = build_model(spec, tokenizer, seed).to(backend.device())
         sft = _warm_start(model, tokenizer, spec, seed)
         accuracy = _evaluate(model, tokenizer, spec, seed) if evaluate else None
-    manifest = _manifest(spec, seed, model, tokenizer, sft, accuracy, time.perf_counter() - start)
+        model = model.to("cpu")  # saved from the host, as every reader loads it
+    seconds = time.perf_counter() - start
+    manifest = _manifest(spec, seed, model, tokenizer, sft, accuracy, seconds, backend.torch_device_type)
     _save(out, model, tokenizer, manifest)
     return manifest
 
 
-def _manifest(spec: TinySpec, seed: int, model, tokenizer, sft: dict, accuracy: dict | None, seconds: float) -> dict:
+def _manifest(
+    spec: TinySpec, seed: int, model, tokenizer, sft: dict, accuracy: dict | None, seconds: float, device: str
+) -> dict:
     import torch
     import transformers
 
@@ -529,6 +555,7 @@ def _manifest(spec: TinySpec, seed: int, model, tokenizer, sft: dict, accuracy: 
         "architecture": type(model).__name__,
         "seed": seed,
         "spec": asdict(spec),
+        "device": device,  # the torch device type the warm start ran on (the emulated NPU's is cpu)
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "tokenizer_size": len(tokenizer),
         "sft": sft,
@@ -601,21 +628,32 @@ def read_manifest(path: str | Path) -> dict | None:
 
 
 def ensure_tiny_model(
-    moe: bool = False, output_dir: str | Path | None = None, seed: int = 0, size: str = "tiny", **overrides
+    moe: bool = False,
+    output_dir: str | Path | None = None,
+    seed: int = 0,
+    size: str = "tiny",
+    device: str = "cpu",
+    **overrides,
 ) -> Path:
     """The tiny model directory (what ``model.path: ""`` means), built first unless an identical recipe is there.
 
-    "Identical" = same recipe version, seed and :class:`TinySpec` (defaults + ``size``'s preset + ``overrides``);
-    anything else, e.g. a cache from an older release, is rebuilt. A manifest written before a TinySpec field
-    existed was built with that field's default (new fields default to the old recipe), so it counts as such.
+    "Identical" = same recipe version, seed, :class:`TinySpec` (defaults + ``size``'s preset + ``overrides``) and
+    build device (``device``'s torch device type; the CPU by default); anything else, e.g. a cache from an older
+    release or a model built on a GPU where the CPU one is wanted, is rebuilt on ``device``. A manifest written
+    before a TinySpec field existed was built with that field's default (new fields default to the old recipe), so
+    it counts as such; one without a device was built on the CPU (the only device then).
     """
+    from .device import get_backend
+
     out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe, size)
     wanted = asdict(replace(TinySpec(moe=moe), **_size_overrides(size, overrides)))
+    built_on = get_backend(device).torch_device_type
     manifest = read_manifest(out) or {}
     spec = manifest.get("spec")
     spec = {**asdict(TinySpec(moe=moe)), **spec} if isinstance(spec, dict) else spec
-    if (manifest.get("recipe_version"), manifest.get("seed"), spec) != (RECIPE_VERSION, seed, wanted):
-        make_tiny_model(out, moe=moe, seed=seed, size=size, **overrides)
+    found = (manifest.get("recipe_version"), manifest.get("seed"), spec, manifest.get("device", "cpu"))
+    if found != (RECIPE_VERSION, seed, wanted, built_on):
+        make_tiny_model(out, moe=moe, seed=seed, size=size, device=device, **overrides)
     return out
 
 
@@ -636,6 +674,13 @@ def add_make_tiny_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--noisy-sft-steps", type=int, default=None, help=f"flattening steps (tiny: {TinySpec.noisy_sft_steps})"
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "npu", "auto"),
+        default="cpu",
+        help="where the warm start and the eval run, as trainer.device (default cpu: the shipped models' exact bytes; "
+        "a GPU builds --size small in seconds, another model than the CPU's, recorded in the manifest)",
+    )
 
 
 def main_make_tiny_model(args: argparse.Namespace) -> int:
@@ -646,13 +691,15 @@ def main_make_tiny_model(args: argparse.Namespace) -> int:
         sft_steps=args.sft_steps,
         noisy_sft_steps=args.noisy_sft_steps,
         size=args.size,
+        device=args.device,
     )
     out = args.output_dir or default_tiny_dir(args.moe, args.size)
     acc = manifest["initial_accuracy"]
     n = acc["sampled_length"]
     print(
         f"{manifest['architecture']} ({manifest['num_parameters']:,} parameters) -> {out}\n"
-        f"built in {manifest['build_seconds']} s; initial accuracy on {acc['num_prompts']} prompts: "
+        f"built in {manifest['build_seconds']} s on {manifest['device']}; "
+        f"initial accuracy on {acc['num_prompts']} prompts: "
         f"{acc['sampled_t1']:.2f} sampled at temperature 1, {acc['greedy']:.2f} greedy\n"
         f"sampled response tokens: mean {n['mean']}, median {n['median']}, max {n['max']}, "
         f"{n['at_limit']:.0%} at the {acc['max_new_tokens']}-token limit"

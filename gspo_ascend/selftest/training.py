@@ -1,13 +1,13 @@
-"""Layer 4: the train engines on two devices: Megatron at TP=2 against HF, one GSPO step fsdp vs megatron, and a
-checkpoint save / load round trip.
+"""Layer 4: the train engines on two devices (one with ``--devices 1``): Megatron at TP=2 (TP=1) against HF, one
+GSPO step fsdp vs megatron, and a checkpoint save / load round trip.
 
 The selftest process prepares the inputs (the tiny Qwen3 with two KV heads, which TP=2 needs; rollout-like batches
 sampled from it) and the reference log-probs (plain transformers, fp32, on the CPU: the reference CI trusts); two
-ranks (:mod:`.launch`, one per device) then run, in one process group:
+ranks (:mod:`.launch`, one per device; one rank with one device) then run, in one process group:
 
-1. the fsdp engine (DP=2): one GSPO update of the batch (two minibatches);
-2. the megatron engine (TP=2; under MindSpeed on an NPU where it is installed): log-probs of the batch, then the
-   same update;
+1. the fsdp engine (DP=2, or DP=1): one GSPO update of the batch (two minibatches);
+2. the megatron engine (TP=2, or TP=1; under MindSpeed on an NPU where it is installed): log-probs of the batch,
+   then the same update;
 3. a checkpoint round trip on the megatron engine (the fsdp engine where megatron cannot run): save, update on a
    second batch (A); a fresh engine loads the checkpoint and makes the same update (B).
 
@@ -40,9 +40,15 @@ from .report import CheckFailed, CheckSkipped, Result, run_check
 FIX = "docs/troubleshooting.md#selftest-training: `gspo-ascend doctor` (MindSpeed / megatron pins); actor.engine=fsdp"
 TEMPERATURE = 0.7
 TIMEOUT_S = 900
-BATCH = 8  # samples per batch: 2 minibatches x 2 ranks x 2
+BATCH = 8  # samples per batch: 2 minibatches x 2 ranks x 2 (one rank: 2 minibatches x 4)
 BASE = [f"data.train_batch_size={BATCH // 4}", *UPDATE_OVERRIDES]
 STAGES = ("fsdp", "megatron", "checkpoint")
+
+
+def world_size(devices: int) -> int:
+    """Ranks of the training checks: 2 (TP=2, fsdp DP=2) when the node gives two devices or more, else 1 (TP=1, DP=1),
+    so a one-GPU machine still checks both engines and the checkpoint round trip."""
+    return 1 if devices < 2 else 2
 
 
 def _bounds(backend) -> tuple[float, float]:
@@ -89,22 +95,22 @@ def _prepare(out: Path) -> tuple[str, dict[str, Any], torch.Tensor]:
     return str(path), {"batches": batches, "initial": initial}, hf_log_probs(model, batches["main"], TEMPERATURE)
 
 
-def _launch(backend, out: Path, megatron: bool) -> str | None:
-    """Run the two ranks; None when they succeeded, else the one-line failure."""
+def _launch(backend, out: Path, megatron: bool, world: int) -> str | None:
+    """Run the ``world`` ranks; None when they succeeded, else the one-line failure."""
     from .fixtures import KV2_DIR
 
     args = ["--model", str(out / KV2_DIR)] + (["--megatron"] if megatron else [])
-    run = launch_on(backend, 2, "training", args, out, TIMEOUT_S)
+    run = launch_on(backend, world, "training", args, out, TIMEOUT_S)
     return None if run.ok else run.failure()
 
 
 def check_training(backend, devices: int, out: Path, quick: bool, log: Path | None = None) -> list[Result]:
-    names = ["training/megatron_tp2", "training/fsdp_vs_megatron", "training/checkpoint"]
-    if quick or devices < 2:
-        why = "--quick" if quick else "needs 2 devices (--devices 1)"
-        return [run_check(name, lambda why=why: _skip(why), FIX) for name in names]
+    world = world_size(devices)
+    names = [f"training/megatron_tp{world}", "training/fsdp_vs_megatron", "training/checkpoint"]
+    if quick:
+        return [run_check(name, lambda: _skip("--quick"), FIX) for name in names]
     blocker = megatron_blocker(backend)
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {"world": world}
 
     def setup() -> dict[str, Any]:
         if "error" in state:
@@ -112,8 +118,8 @@ def check_training(backend, devices: int, out: Path, quick: bool, log: Path | No
         if "ranks" not in state:
             out.mkdir(parents=True, exist_ok=True)
             _, state["inputs"], state["reference"] = _prepare(out)
-            state["failure"] = _launch(backend, out, megatron=blocker is None)
-            state["ranks"] = _results(out)
+            state["failure"] = _launch(backend, out, blocker is None, world)
+            state["ranks"] = _results(out, world)
         return state
 
     bodies = [
@@ -128,10 +134,10 @@ def _skip(why: str) -> str:
     raise CheckSkipped(why)
 
 
-def _results(out: Path) -> dict[str, dict[int, dict]]:
+def _results(out: Path, world: int) -> dict[str, dict[int, dict]]:
     found: dict[str, dict[int, dict]] = {}
     for stage in STAGES:
-        for rank in range(2):
+        for rank in range(world):
             path = out / f"training.{stage}.rank{rank}.pt"
             if path.is_file():
                 found.setdefault(stage, {})[rank] = torch.load(path, weights_only=False)
@@ -140,7 +146,7 @@ def _results(out: Path) -> dict[str, dict[int, dict]]:
 
 def _stage(state: dict[str, Any], stage: str) -> dict[int, dict]:
     ranks = state["ranks"].get(stage, {})
-    if len(ranks) < 2:
+    if len(ranks) < state["world"]:
         raise CheckFailed(state["failure"] or f"the ranks wrote no {stage} results")
     return ranks
 
@@ -148,17 +154,17 @@ def _stage(state: dict[str, Any], stage: str) -> dict[int, dict]:
 def _judge_logprobs(state: dict[str, Any], backend) -> str:
     ranks, reference = _stage(state, "megatron"), state["reference"]
     mask = state["inputs"]["batches"]["main"].response_mask
-    limit, worst = _bounds(backend)[0], 0.0
+    limit, worst, tp = _bounds(backend)[0], 0.0, state["world"]
     for result in ranks.values():
         start, stop = result["rows"]
         ours = result["log_probs"]
         diff = float(((ours - reference[start:stop]).abs() * mask[start:stop]).max())
         if bool((ours[mask[start:stop] == 0] != 0).any()):
-            raise CheckFailed(f"megatron TP=2 log-probs of rows {start}-{stop} are not 0 at padding")
+            raise CheckFailed(f"megatron TP={tp} log-probs of rows {start}-{stop} are not 0 at padding")
         worst = max(worst, diff)
     if worst > limit:
-        raise CheckFailed(f"megatron TP=2 log-probs differ from HF's (fp32, CPU) by {worst:.2e} (bound {limit:g})")
-    return f"megatron TP=2 {_mindspeed_note(backend)}: max |megatron - HF| = {worst:.1e} (bound {limit:g})"
+        raise CheckFailed(f"megatron TP={tp} log-probs differ from HF's (fp32, CPU) by {worst:.2e} (bound {limit:g})")
+    return f"megatron TP={tp} {_mindspeed_note(backend)}: max |megatron - HF| = {worst:.1e} (bound {limit:g})"
 
 
 def _metric_problems(ours: dict, theirs: dict, tol: float) -> dict:
@@ -192,7 +198,8 @@ def _judge_update(state: dict[str, Any], backend) -> str:
     theirs = (fsdp["metrics"], fsdp["weights"])
     ours, initial = (megatron["metrics"], megatron["weights"]), state["inputs"]["initial"]
     detail = _compare_updates("fsdp vs megatron", ours, theirs, initial, tol)
-    return f"one GSPO step, fsdp DP=2 == megatron TP=2: {detail}"
+    world = state["world"]
+    return f"one GSPO step, fsdp DP={world} == megatron TP={world}: {detail}"
 
 
 def _judge_checkpoint(state: dict[str, Any], backend, engine: str) -> str:
@@ -211,7 +218,7 @@ def _judge_checkpoint(state: dict[str, Any], backend, engine: str) -> str:
 # ----------------------------------------------------------------------------------------------- one rank
 
 
-def _build(engine: str, backend, model: str):
+def _build(engine: str, backend, model: str, tp: int):
     from ..config import load_config
 
     if engine == "fsdp":
@@ -220,7 +227,7 @@ def _build(engine: str, backend, model: str):
         return FSDPEngine(load_config(None, [*BASE, "actor.engine=fsdp"]), backend, model)
     from ..engines.megatron import MegatronEngine
 
-    cfg = load_config(None, [*BASE, "actor.engine=megatron", "actor.tensor_parallel_size=2"])
+    cfg = load_config(None, [*BASE, "actor.engine=megatron", f"actor.tensor_parallel_size={tp}"])
     return MegatronEngine(cfg, backend, model)
 
 
@@ -244,7 +251,7 @@ def _round_trip(engine, name: str, backend, model: str, out: Path, shard) -> dic
     saved = _exported(engine)
     continued = (engine.update(shard, TEMPERATURE), _exported(engine))
     engine.close()
-    fresh = _build(name, backend, model)
+    fresh = _build(name, backend, model, dist.get_world_size())
     fresh.load_checkpoint(str(path))
     resumed = (fresh.update(shard, TEMPERATURE), _exported(fresh))
     fresh.close()
@@ -252,7 +259,8 @@ def _round_trip(engine, name: str, backend, model: str, out: Path, shard) -> dic
 
 
 def rank_main(backend, out: Path, argv: list[str]) -> None:
-    """fsdp first: the megatron engine installs the shim's CUDA redirection on a host, which fsdp must not see."""
+    """fsdp first: the megatron engine installs the shim's CUDA redirection on a host, which fsdp must not see.
+    Megatron runs at TP = the world size (2, or 1 on one device)."""
     import torch.distributed as dist
 
     from ..engines.microbatch import dp_shard
@@ -267,14 +275,14 @@ def rank_main(backend, out: Path, argv: list[str]) -> None:
     batches = torch.load(out / "training_batches.pt", weights_only=False)
     update_shard = dp_shard(batches["main"], rank, world, MINIBATCHES)
     next_shard = dp_shard(batches["next"], rank, world, MINIBATCHES)
-    fsdp = _build("fsdp", backend, args.model)
+    fsdp = _build("fsdp", backend, args.model, world)
     metrics = fsdp.update(update_shard, TEMPERATURE)
     _save(out, "fsdp", rank, {"metrics": metrics, "weights": _exported(fsdp)})
     if not args.megatron:
         _save(out, "checkpoint", rank, _round_trip(fsdp, "fsdp", backend, args.model, out, next_shard))
         return
     fsdp.close()
-    megatron = _build("megatron", backend, args.model)
+    megatron = _build("megatron", backend, args.model, world)  # TP = the world, so DP = 1
     mine = dp_shard(batches["main"], rank, world, 1)
     result = {
         "rows": [rank * len(mine), (rank + 1) * len(mine)],

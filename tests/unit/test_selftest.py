@@ -180,6 +180,39 @@ def test_update_comparison_catches_sign_missing_and_metric_errors():
     training._compare_updates("x", other_count, good, w0, 1e-5)
 
 
+@pytest.mark.parametrize(("devices", "tp"), [(1, 1), (2, 2), (8, 2)])
+def test_training_check_names_carry_the_tp_the_device_count_gives(devices, tp, tmp_path):
+    results = training.check_training(CPU, devices, tmp_path, quick=True)
+    assert [r.name for r in results] == [
+        f"training/megatron_tp{tp}",
+        "training/fsdp_vs_megatron",
+        "training/checkpoint",
+    ]
+    assert all(r.status == "skip" and r.detail == "--quick" for r in results)
+    assert not any(tmp_path.iterdir())  # --quick starts no rank
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(training.megatron_blocker(CPU) is not None, reason="megatron-core / mbridge not installed")
+def test_on_one_device_the_training_checks_run_at_tp1_on_one_rank(tmp_path, monkeypatch):
+    """--devices 1 (a one-GPU machine): the three training checks run on one rank, megatron at TP=1, instead of
+    being skipped (old code: 'needs 2 devices'). ~20 s on the 2-core host."""
+    monkeypatch.delenv(selftest_fault.ENV, raising=False)
+    out = tmp_path / "training"
+    results = training.check_training(CPU, 1, out, quick=False)
+    assert [r.name for r in results] == ["training/megatron_tp1", "training/fsdp_vs_megatron", "training/checkpoint"]
+    assert all(r.status == "pass" for r in results), results
+    logprobs, update, checkpoint = (r.detail for r in results)
+    # megatron TP=1 vs HF: fp32 CPU kernels summing in another order, so a rounding-size difference, never 0
+    assert 0 < float(re.search(r"megatron TP=1 .*max \|megatron - HF\| = (\S+) \(bound 1e-05\)", logprobs)[1]) <= 1e-5
+    assert update.startswith("one GSPO step, fsdp DP=1 == megatron TP=1: loss ")
+    gap, moved = map(float, re.search(r"weights within (\S+) after an update of (\S+)$", update).groups())
+    assert 0 < moved and gap <= 0.1 * moved  # the engines moved the weights, by the same update
+    assert checkpoint.startswith("megatron: save -> fresh engine -> load -> update bitwise equal")
+    ranks = sorted(path.name for path in out.glob("training.*.rank*.pt"))
+    assert ranks == ["training.checkpoint.rank0.pt", "training.fsdp.rank0.pt", "training.megatron.rank0.pt"]
+
+
 # ----------------------------------------------------------------------------------------------- bad input, ranks
 
 

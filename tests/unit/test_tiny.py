@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
+from gspo_ascend.device.detect import cuda_available
 from gspo_ascend.errors import UserError
 from gspo_ascend.tiny import (
     MANIFEST,
@@ -221,3 +223,74 @@ def test_sizes_name_their_directory_and_old_manifests_stay_valid(tmp_path, monke
     stamp = (tiny / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model(**SMALL) == tiny
     assert (tiny / "model.safetensors").stat().st_mtime_ns == stamp  # their defaults are the old recipe: no rebuild
+
+
+# ----------------------------------------------------------------------------------------------- --device
+
+
+def test_device_option_is_parsed_with_cpu_the_default():
+    from gspo_ascend.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["make-tiny-model"]).device == "cpu"  # the shipped models' bytes
+    for name in ("cpu", "cuda", "npu", "auto"):
+        assert parser.parse_args(["make-tiny-model", "--device", name]).device == name
+    with pytest.raises(SystemExit) as bad:
+        parser.parse_args(["make-tiny-model", "--device", "tpu"])
+    assert bad.value.code == 2
+
+
+@pytest.mark.skipif(cuda_available(), reason="needs a host without CUDA")
+def test_an_unavailable_device_is_a_one_line_error_before_anything_is_built(cli, tmp_path):
+    out = tmp_path / "model"
+    run = cli("make-tiny-model", "--device", "cuda", "--output-dir", str(out))
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert (
+        run.stderr.startswith("error: trainer.device=cuda but torch sees no CUDA device")
+        and run.stderr.count("\n") == 1
+    )
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, not even the temporary directory
+
+
+def test_the_manifest_records_the_device_and_ensure_rebuilds_another_devices_model(tmp_path):
+    out = tmp_path / "m"
+    manifest = make_tiny_model(out, evaluate=False, device="cpu", **SMALL)
+    assert manifest["device"] == "cpu" and read_manifest(out)["device"] == "cpu"
+    cpu_weights = (out / "model.safetensors").read_bytes()
+    # a manifest from before the option (no "device") was built on the CPU: still the CPU model, not rebuilt
+    legacy = {k: v for k, v in read_manifest(out).items() if k != "device"}
+    (out / MANIFEST).write_text(json.dumps(legacy))
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(output_dir=out, **SMALL) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    # a model built on a GPU is another model: the CPU one is wanted, so it is rebuilt on the CPU
+    (out / MANIFEST).write_text(json.dumps({**legacy, "device": "cuda"}))
+    (out / "model.safetensors").write_bytes(b"not the cpu weights")
+    ensure_tiny_model(output_dir=out, **SMALL)
+    assert read_manifest(out)["device"] == "cpu" and (out / "model.safetensors").read_bytes() == cpu_weights
+
+
+def test_determinism_on_an_accelerator_warns_instead_of_aborting_and_configures_cublas(monkeypatch):
+    """Checked without a GPU: what the build's deterministic block sets for each backend, and that it restores."""
+    from gspo_ascend.device import CPU, CUDA, NPU
+    from gspo_ascend.tiny import _deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    with _deterministic(CPU):  # the shipped bytes: strict
+        assert (
+            torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+        )
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with _deterministic(NPU):
+        assert torch.is_deterministic_algorithms_warn_only_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with _deterministic(CUDA):
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # one of the two values torch accepts
+    assert (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    ) == before
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with _deterministic(CUDA):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the user's choice is kept

@@ -1,0 +1,437 @@
+"""The GPU proof (issue #29): every layer of this build on one accelerator in one prepared run, each step in its own
+process with its own time limit, the whole inside a time budget; JSON + a markdown summary into one folder.
+
+    PYTHONPATH=. python benchmarks/gpu_proof.py --device cuda --out OUT          # on an H100 (~6 min)
+    PYTHONPATH=. .venv/bin/python benchmarks/gpu_proof.py --device cpu --size tiny --out OUT   # CI: ~3 min
+
+``scripts/device/gpu_proof.sh`` is the entry on the device machine (installs the carried bundle first). Steps, in
+order of what they prove (a step that finds the budget spent is ``skip`` with that reason; failures are results):
+
+1. ``selftest``: ``gspo-ascend selftest --devices 1 --json``: ops, collectives, hf rollout, the train engines on
+   one device (megatron TP=1 log-probs vs HF, one GSPO update fsdp vs megatron, checkpoint), two GSPO steps
+   through Ray. Its ``training/*`` records are the megatron figures of the summary.
+2. ``small_model``: ``make-tiny-model --size small`` on the device (the benchmark's 22M Qwen3; ~40 min on 2 CPU
+   cores, seconds on a GPU). ``--size tiny`` uses the embedded tiny model instead.
+3. ``train``: ``gspo-ascend train`` of the synthetic task through Ray, fsdp + hf rollout, bf16 (fp32 on a CPU),
+   validation every 5 steps: reward and validation accuracy first -> last, seconds per step by stage.
+4. ``throughput_fsdp``, ``throughput_megatron``: ``benchmarks/train_throughput.py``, fwd + bwd + optimizer of a
+   Qwen3-0.6B-shaped model at 4k-token micro-batches: tokens/s, MFU, peak memory against the planner's.
+5. ``trl``: ``benchmarks/e2e_vs_trl.py`` ours-hf against TRL's GRPOTrainer (sequence-level IS), same GPU, same
+   shape: one step-time ratio from one run.
+
+Outputs (at most 3 files, so a device call brings them all back): ``proof.json`` (every step's record),
+``proof.md`` (the summary committed as docs/results/gpu/<date>-<commit>.md), ``proof-logs.tar.gz`` (each step's
+log and its raw results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+
+
+@dataclass
+class Ctx:
+    device: str
+    size: str  # full (an accelerator) | tiny (CI on a CPU)
+    work: Path
+    python: str
+    env: dict[str, str]
+    deadline: float
+    found: dict = field(default_factory=dict)  # what earlier steps left for later ones (the small model's path)
+
+    @property
+    def full(self) -> bool:
+        return self.size == "full"
+
+
+@dataclass
+class Record:
+    name: str
+    status: str  # pass | fail | skip | timeout
+    seconds: float
+    detail: str
+    figures: dict = field(default_factory=dict)
+    command: list[str] = field(default_factory=list)
+
+
+class Skip(Exception):
+    """The step does not run here; the message says why."""
+
+
+@dataclass
+class Step:
+    name: str
+    limit_s: dict[str, int]  # per size
+    command: Callable[[Ctx], list[str]]
+    judge: Callable[[Ctx, int, Path], tuple[str, str, dict]]  # (status, detail, figures) from rc and the log
+
+
+# ----------------------------------------------------------------------------------------------- the steps
+
+
+def _gspo(ctx: Ctx, *args: str) -> list[str]:
+    return [ctx.python, "-m", "gspo_ascend", *args]
+
+
+def selftest_command(ctx: Ctx) -> list[str]:
+    quick = [] if ctx.full else ["--quick"]  # the training checks cost minutes on 2 cores; unit tests cover them
+    return _gspo(ctx, "selftest", "--device", ctx.device, "--devices", "1", "--json", *quick)
+
+
+def judge_selftest(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
+    records = _last_json_list(log.with_suffix(".out"))
+    if records is None:
+        return "fail", f"exit {rc}, no JSON records (see {log.name})", {}
+    counts = {s: sum(r["status"] == s for r in records) for s in ("pass", "fail", "skip")}
+    failed = [f"{r['name']}: {r['detail']}" for r in records if r["status"] == "fail"]
+    detail = f"{counts['pass']} pass, {counts['fail']} fail, {counts['skip']} skip"
+    figures = {"records": records, **counts}
+    return ("fail" if failed or rc else "pass"), detail + ("; " + failed[0] if failed else ""), figures
+
+
+def small_model_command(ctx: Ctx) -> list[str]:
+    if not ctx.full:
+        raise Skip("--size tiny trains the embedded tiny model")
+    out = ctx.work / "small-model"
+    ctx.found["model"] = str(out)
+    return _gspo(ctx, "make-tiny-model", "--size", "small", "--device", ctx.device, "--output-dir", str(out))
+
+
+def judge_small_model(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
+    manifest = Path(ctx.found.get("model", "")) / "manifest.json"
+    if rc or not manifest.is_file():
+        ctx.found.pop("model", None)
+        return "fail", f"exit {rc}: {_last_error(log)}", {}
+    data = json.loads(manifest.read_text())
+    figures = {k: data.get(k) for k in ("num_parameters", "initial_accuracy", "build_seconds", "device")}
+    acc = data.get("initial_accuracy") or {}
+    return (
+        "pass",
+        (
+            f"{data.get('num_parameters', 0):,} parameters built on {data.get('device', '?')} in "
+            f"{data.get('build_seconds', math.nan)} s; initial accuracy {acc.get('sampled_t1', math.nan):.2f} sampled, "
+            f"{acc.get('greedy', math.nan):.2f} greedy; sampled length {acc.get('sampled_length')}"
+        ),
+        figures,
+    )
+
+
+def train_overrides(ctx: Ctx) -> list[str]:
+    from gspo_ascend.runtime import embedded_data_dir
+
+    data = embedded_data_dir()
+    common = [
+        f"trainer.device={ctx.device}",
+        f"trainer.output_dir={ctx.work / 'train'}",
+        "trainer.resume=never",
+        "trainer.save_freq=0",
+        "trainer.test_freq=5",
+        "trainer.val_before_train=true",
+        "trainer.loggers=[console,jsonl]",
+        "rollout.engine=hf",
+        "actor.engine=fsdp",
+    ]
+    if not ctx.full:
+        return [*common, "trainer.total_steps=3", "trainer.test_freq=3", "data.train_batch_size=8"]
+    if "model" not in ctx.found:
+        raise Skip("the small model was not built (step small_model)")
+    return [
+        *common,
+        f"model.path={ctx.found['model']}",
+        f"data.train_files=[{data / 'train.parquet'}]",
+        f"data.val_files=[{data / 'test.parquet'}]",
+        "model.dtype=bfloat16",
+        "data.max_response_length=512",  # the small model's long right tail (benchmarks/README.md)
+        "actor.use_remove_padding=true",
+        "actor.max_tokens_per_micro_batch=16384",
+        "trainer.total_steps=20",
+    ]
+
+
+def train_command(ctx: Ctx) -> list[str]:
+    return _gspo(ctx, "train", *train_overrides(ctx))
+
+
+def judge_train(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
+    path = ctx.work / "train" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    steps = [r for r in rows if r.get("step", 0) >= 1 and "reward/mean" in r]
+    if rc or not steps:
+        return "fail", f"exit {rc}, {len(steps)} step(s) logged: {_last_error(log)}", {}
+    figures = train_figures(rows, steps)
+    reward, val = figures["reward_mean"], figures["validation"]
+    detail = (
+        f"{len(steps)} steps; reward {reward[0]:.3f} -> {reward[-1]:.3f} (first/last {figures['reward_window']} mean "
+        f"{figures['reward_first5']:.3f} -> {figures['reward_last5']:.3f}); validation "
+        + " -> ".join(f"{v:.3f}" for _, v in val)
+        + f"; median step {figures['stage_median_s'].get('step', math.nan):.2f} s"
+    )
+    return ("pass" if all(map(math.isfinite, reward)) else "fail"), detail, figures
+
+
+def train_figures(rows: list[dict], steps: list[dict]) -> dict:
+    reward = [float(r["reward/mean"]) for r in steps]
+    # greedy validation samples once: its key is mean@1 (mean@n with n = validation.n)
+    val = [(r["step"], float(v)) for r in rows for k, v in r.items() if k.startswith("val/all/mean@")]
+    stages = sorted({k for r in steps for k in r if k.startswith("time/")})
+    timed = steps[1:] or steps  # the first step pays for compilation and allocator warm-up
+    k = max(1, min(5, len(reward) // 2))  # first and last k steps, never overlapping
+    first, last = statistics.fmean(reward[:k]), statistics.fmean(reward[-k:])
+    return {
+        "reward_mean": reward,
+        "reward_window": k,
+        "reward_first5": first,
+        "reward_last5": last,
+        "reward_rising": last > first,
+        "validation": val,
+        "validation_rising": len(val) > 1 and val[-1][1] > val[0][1],
+        "stage_median_s": {
+            k[5:-2]: statistics.median(float(r[k]) for r in timed if k in r) for k in stages if k.endswith("_s")
+        },
+        "response_length_mean": statistics.fmean(float(r.get("response/length_mean", math.nan)) for r in steps),
+    }
+
+
+def throughput_command(engine: str) -> Callable[[Ctx], list[str]]:
+    def command(ctx: Ctx) -> list[str]:
+        shape = ["--shape", "qwen3-0.6b", "--steps", "3"] if ctx.full else ["--shape", "tiny", "--steps", "2"]
+        out = ctx.work / f"throughput_{engine}.json"
+        return [ctx.python, str(BENCH / "train_throughput.py"), "--device", ctx.device, "--engine", engine,
+                "--tokens-per-micro-batch", "4096" if ctx.full else "256", *shape, "--json", str(out)]  # fmt: skip
+
+    return command
+
+
+def throughput_judge(engine: str) -> Callable[[Ctx, int, Path], tuple[str, str, dict]]:
+    def judge(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
+        path = ctx.work / f"throughput_{engine}.json"
+        if rc or not path.is_file():
+            return "fail", f"exit {rc}: {_last_error(log)}", {}
+        data = json.loads(path.read_text())
+        return "pass", _last_line(log), data
+
+    return judge
+
+
+def trl_command(ctx: Ctx) -> list[str]:
+    out = ctx.work / "trl.json"
+    if ctx.full and "model" not in ctx.found:
+        raise Skip("the small model was not built (step small_model)")
+    sizes = (
+        ["--shape", "realistic", "--steps", "3", "--model-dir", ctx.found["model"]]
+        if ctx.full
+        else ["--steps", "2", "--batch", "4", "--n", "2"]
+    )
+    return [ctx.python, str(BENCH / "e2e_vs_trl.py"), "--device", ctx.device, "--sides", "ours-hf,trl-hf", *sizes,
+            "--json", str(out)]  # fmt: skip
+
+
+def judge_trl(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
+    path = ctx.work / "trl.json"
+    if not path.is_file():
+        return "fail", f"exit {rc}: {_last_error(log)}", {}
+    data = json.loads(path.read_text())
+    ratio = data.get("step_time_ratio", math.nan)
+    keep = ("median_step_s", "tokens_per_s", "stages_s", "error")
+    sides = {name: {k: side.get(k) for k in keep} for name, side in data["sides"].items()}
+    detail = f"ours-hf / trl-hf median step time {ratio:.3f}x; " + ", ".join(
+        f"{n} {s['error'] or format(s['median_step_s'], '.2f') + ' s'}" for n, s in sides.items()
+    )
+    return ("pass" if math.isfinite(ratio) else "fail"), detail, {"step_time_ratio": ratio, "sides": sides}
+
+
+STEPS = [
+    Step("selftest", {"full": 200, "tiny": 240}, selftest_command, judge_selftest),
+    Step("small_model", {"full": 120, "tiny": 60}, small_model_command, judge_small_model),
+    Step("train", {"full": 240, "tiny": 240}, train_command, judge_train),
+    Step("throughput_fsdp", {"full": 120, "tiny": 120}, throughput_command("fsdp"), throughput_judge("fsdp")),
+    Step(
+        "throughput_megatron", {"full": 150, "tiny": 150}, throughput_command("megatron"), throughput_judge("megatron")
+    ),  # fmt: skip
+    Step("trl", {"full": 180, "tiny": 240}, trl_command, judge_trl),
+]
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+
+def run_step(step: Step, ctx: Ctx, logs: Path) -> Record:
+    left = ctx.deadline - time.monotonic() - 5  # 5 s to write the results
+    if left < 20:  # nothing worth starting: a process start alone takes seconds
+        return Record(step.name, "skip", 0.0, f"the proof's time budget is spent ({max(left, 0):.0f} s left)")
+    limit = min(step.limit_s[ctx.size], left)
+    try:
+        command = step.command(ctx)
+    except Skip as why:
+        return Record(step.name, "skip", 0.0, str(why))
+    log = logs / f"{step.name}.log"
+    start = time.monotonic()
+    rc = _run(command, ctx.env, log, limit)
+    seconds = time.monotonic() - start
+    if rc is None:
+        _stop_ray(ctx)
+        return Record(step.name, "timeout", seconds, f"killed at its limit of {limit:.0f} s: {_last_line(log)}",
+                      command=command)  # fmt: skip
+    try:
+        status, detail, figures = step.judge(ctx, rc, log)
+    except Exception as exc:  # a judge reading a half-written result: the step failed, the proof goes on
+        status, detail, figures = "fail", f"exit {rc}; its results could not be read: {exc!r}", {}
+    return Record(step.name, status, seconds, detail, figures, command)
+
+
+def _run(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
+    """Exit code, or None when killed at ``limit``; stdout to ``<log>.out`` (the parseable part), stderr to ``log``."""
+    with log.open("w") as err, log.with_suffix(".out").open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True)
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+
+
+def _stop_ray(ctx: Ctx) -> None:
+    """A step killed at its limit leaves Ray's daemons (their own sessions): the next step must not join them."""
+    subprocess.run([ctx.python, "-m", "ray.scripts.scripts", "stop", "--force"], env=ctx.env, capture_output=True,
+                   timeout=60, check=False)  # fmt: skip
+
+
+def _last_json_list(path: Path) -> list | None:
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    start = text.rfind("\n[")
+    try:
+        return json.loads(text[start + 1 :] if start >= 0 else text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _lines(log: Path) -> list[str]:
+    texts = [p.read_text(errors="replace") for p in (log, log.with_suffix(".out")) if p.is_file()]
+    return [line.strip() for text in texts for line in text.splitlines() if line.strip()]
+
+
+def _last_line(log: Path) -> str:
+    lines = _lines(log)
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def _last_error(log: Path) -> str:
+    for line in reversed(_lines(log)):
+        if "Error" in line or "error:" in line or "Exception" in line:
+            return line[:300]
+    return _last_line(log)
+
+
+# run in the proof's interpreter and environment (the driver's may lack the device stack's PYTHONPATH)
+DEVICE_PROBE = """
+import json, sys
+from gspo_ascend.device import get_backend
+b = get_backend(sys.argv[1])
+name = b.module().get_device_name(0) if b.torch_device_type != "cpu" else "cpu"
+count = b.device_count() if b.torch_device_type != "cpu" else 0
+print(json.dumps({"backend": b.name, "device_name": name, "device_count": count}))
+"""
+
+
+def environment(ctx: Ctx) -> dict:
+    """What ran: device, versions of the stack, commit."""
+    from importlib import metadata
+
+    done = subprocess.run([ctx.python, "-c", DEVICE_PROBE, ctx.device], env=ctx.env, cwd=REPO, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    found = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {"error": done.stderr[-300:]}
+    versions = {}
+    for name in ("torch", "transformers", "ray", "megatron-core", "mbridge", "trl", "accelerate", "vllm"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    commit = os.environ.get("GSPO_PROOF_COMMIT") or _git_commit()
+    return {"commit": commit, "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
+            "versions": versions, **found}  # fmt: skip
+
+
+def _git_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=("cuda", "npu", "cpu"))
+    p.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on a device, tiny on cpu")
+    p.add_argument("--out", type=Path, required=True, help="proof.json, proof.md, proof-logs.tar.gz go here")
+    p.add_argument("--budget-s", type=float, default=420.0, help="the whole proof; later steps skip when it is spent")
+    p.add_argument("--only", default=None, help=f"comma-separated steps (default all): {[s.name for s in STEPS]}")
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    args = p.parse_args(argv)
+    args.size = args.size or ("tiny" if args.device == "cpu" else "full")
+    names = [s.name for s in STEPS]
+    args.only = [s.strip() for s in args.only.split(",")] if args.only else names
+    if unknown := [s for s in args.only if s not in names]:
+        p.error(f"--only: unknown step(s) {unknown}; valid: {names}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from proof_report import render_markdown  # benchmarks/ is this script's folder: on sys.path when run as a file
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="gspo-proof-"))
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    ctx = Ctx(args.device, args.size, work, sys.executable, env, start + args.budget_s)
+    header = environment(ctx)
+    print(f"gpu proof: {json.dumps(header)}", flush=True)
+    records = []
+    for step in STEPS:
+        chosen = step.name in args.only
+        record = run_step(step, ctx, logs) if chosen else Record(step.name, "skip", 0.0, "not in --only")
+        print(f"[{record.status:>7}] {record.seconds:6.1f}s {record.name}: {record.detail}", flush=True)
+        records.append(record)
+    result = {"header": header, "size": args.size, "seconds": time.monotonic() - start,
+              "steps": [asdict(r) for r in records]}  # fmt: skip
+    (args.out / "proof.json").write_text(json.dumps(result, indent=1, default=str, allow_nan=True))
+    (args.out / "proof.md").write_text(render_markdown(result))
+    with tarfile.open(args.out / "proof-logs.tar.gz", "w:gz") as tar:
+        tar.add(logs, arcname="logs")
+        for raw in [*work.glob("*.json"), work / "train" / "metrics.jsonl"]:
+            if raw.is_file():
+                tar.add(raw, arcname=f"raw/{raw.name}")
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    failed = [r.name for r in records if r.status in ("fail", "timeout")]
+    print(
+        f"gpu proof: {len(records) - len(failed)} of {len(records)} steps without failure in "
+        f"{result['seconds']:.0f} s; {args.out / 'proof.md'}" + (f"; failed: {failed}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""Training throughput of one train engine: tokens/s, model TFLOP/s, MFU and peak memory against the planner.
+
+    PYTHONPATH=. python benchmarks/train_throughput.py --device cpu|cuda|npu --engine fsdp|megatron
+        --shape qwen3-0.6b|tiny [--tokens-per-micro-batch 4096] [--steps N] [--json OUT.json]
+        [--dtype bfloat16|float32] [--attn sdpa|eager|flash_attention_2] [--samples N]
+        [--prompt-length N] [--max-response-length N] [--seed N]
+
+What runs, in this one process (one rank, a world of 1: the engine makes its own one-process group):
+
+1. A model of ``--shape`` written offline as a Hugging Face directory in a temporary folder, random init, saved in
+   bf16: ``qwen3-0.6b`` is Qwen3-0.6B's published config (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim
+   128, intermediate 3072, vocab 151936, tied embeddings, rope theta 1e6, 40960 positions); ``tiny`` a 2-layer
+   version for CPU CI. No tokenizer: ``update`` consumes token ids, and the engines read only the config's pad id.
+2. The real engine (``FSDPEngine`` / ``MegatronEngine``) from ``load_config(None, overrides)``, as
+   ``gspo_ascend/selftest/training.py`` builds it: ``model.dtype`` (bf16 by default), packed micro-batches
+   (``actor.use_remove_padding=true``) of at most ``--tokens-per-micro-batch`` real tokens
+   (``actor.max_tokens_per_micro_batch``), one minibatch per update (one optimizer step).
+3. A synthetic rollout batch (a ``SampleBatch``): ``--samples`` random prompts of ``--prompt-length`` tokens, responses
+   of skewed lengths (``max_response * u^2``, u uniform: mean a third of the maximum, one sample at the maximum, as
+   RL responses are: most short, a long tail), old log-probs at ``-ln V`` (a random-init model's level, so sequence
+   ratios start near 1) and random advantages. The same batch every step.
+4. ``engine.update(batch)`` (forward + backward + optimizer step) once as a warm-up, then ``--steps`` times, each
+   between two device synchronizations (the device contract's ``synchronize``).
+
+Engine differences that matter for the numbers:
+
+* fsdp packs every micro-batch into one row (no padding) and applies the LM head only at positions that predict a
+  response token (``logits_to_keep``).
+* megatron ignores ``actor.use_remove_padding`` (packing needs Transformer Engine's THD attention): its micro-batches
+  are the same first-fit-decreasing groups by real tokens (``actor.max_tokens_per_micro_batch`` counts prompt +
+  response tokens, not padding), each right-padded to its longest sample, ``[b, S]``, so a pass computes
+  ``b x S >= `` the budget's tokens; and its output layer runs at every position. ``processed_tokens_per_step``
+  reports the padded count; tokens/s and MFU count real tokens only.
+
+FLOPs per token (model FLOPs, the MFU convention of Megatron-LM, Narayanan et al. 2021, arXiv 2104.04473, section
+5.1, and PaLM, Chowdhery et al. 2022, arXiv 2204.02311, appendix B), forward + backward = 3 x the forward's 2 FLOPs
+per multiply-add::
+
+    flops/token = 6 N  +  6 V h  +  12 L H d C
+      N  non-embedding parameters (every decoder layer + the final norm; no embedding, no LM head)
+      V h  the LM head (vocabulary x hidden; counted once more even when tied to the embedding, as a matmul)
+      L H d  layers x attention heads x head_dim: QK^T and AV, 2 x 2 H d FLOPs per (query, key) pair forward
+      C  the mean causal context: sum_i L_i (L_i + 1) / 2 / sum_i L_i over the batch's sequences (token t of a
+         sequence attends t + 1 keys)
+
+PaLM counts the attention term with the full sequence length T (C = T); causal counting makes it about half, which
+gives the conservative MFU. Megatron's formula (72 B s l h^2 (1 + s / 6h + V / 12 l h)) is the same three terms
+for a GPT without GQA and with full-T attention. The convention counts the LM head at every token; the engines
+compute it at fewer (fsdp: response positions only) or more (megatron: padding too) positions: model FLOPs, not
+hardware FLOPs. MFU = model FLOP/s / the device's dense bf16 peak: 989.4 TFLOP/s for H100 SXM and H200 (NVIDIA's
+datasheets: 1,979 with 2:4 sparsity); other devices print "no peak known" and report no MFU (CPU: none).
+
+Memory: the device contract's ``memory_stats()["peak_allocated"]`` (``max_memory_allocated`` on CUDA / NPU) after the
+timed steps. The contract has no reset of the peak counter, so it is the process's peak since start (engine build
+included; on a device the update's activations and logits dominate). On the host (CPU, the emulated NPU) the
+contract reports host RSS, which is not device memory and not what the planner predicts: ``peak_memory_bytes`` and
+the ratio are null there. The prediction is ``gspo_ascend.doctor.planner.train_phase`` for the same config and the
+model's ``config.json`` (``ModelSpec``); printed as the ratio measured / predicted.
+
+Prints one summary line; ``--json`` writes every number (field list: :func:`report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # runnable as `python benchmarks/train_throughput.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from gspo_ascend.errors import UserError  # noqa: E402
+
+SUMMARY_PREFIX = "train_throughput:"  # the test finds the summary line by it
+TEMPERATURE = 1.0
+# dense bf16 peaks (TFLOP/s) by a substring of the device name: NVIDIA H100 SXM / H200 datasheets (without sparsity)
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
+
+
+@dataclass(frozen=True)
+class Shape:
+    config: dict[str, Any]  # transformers Qwen3Config keywords
+    prompt_length: int
+    max_response_length: int
+    samples: int  # per step
+    tokens_per_micro_batch: int  # default budget: several micro-batches per step at the default sizes
+
+
+QWEN3_0_6B = {  # https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "rms_norm_eps": 1e-6,
+}
+# qwen3-0.6b: 32 x (256 + ~341) ~ 19k tokens, ~5 micro-batches of 4096; tiny: ~1k tokens, ~4 micro-batches of 256
+SHAPES = {
+    "qwen3-0.6b": Shape(QWEN3_0_6B, 256, max_response_length=1024, samples=32, tokens_per_micro_batch=4096),
+    "tiny": Shape(TINY, 32, max_response_length=96, samples=16, tokens_per_micro_batch=256),
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="train_throughput.py", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
+    p.add_argument("--engine", default="fsdp", choices=("fsdp", "megatron"))
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--tokens-per-micro-batch", type=int, default=None, help="default: the shape's (qwen3-0.6b 4096)")
+    p.add_argument("--steps", type=int, default=5, help="timed updates after one warm-up update")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"), help="fsdp only")
+    p.add_argument("--samples", type=int, default=None, help="sequences per step (default: the shape's)")
+    p.add_argument("--prompt-length", type=int, default=None)
+    p.add_argument("--max-response-length", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    shape = SHAPES[args.shape]
+    args.tokens_per_micro_batch = args.tokens_per_micro_batch or shape.tokens_per_micro_batch
+    args.samples = args.samples or shape.samples
+    args.prompt_length = args.prompt_length or shape.prompt_length
+    args.max_response_length = args.max_response_length or shape.max_response_length
+    for name in ("steps", "tokens_per_micro_batch", "samples", "prompt_length", "max_response_length"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def write_model(shape: str, out: Path, seed: int) -> Path:
+    """A random-init Qwen3ForCausalLM of ``shape`` saved in bf16 under ``out`` (no tokenizer: see the docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**SHAPES[shape].config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # built in bf16: half the host memory
+    model.save_pretrained(out)
+    return out
+
+
+def synthetic_batch(samples: int, prompt_length: int, max_response: int, vocab: int, seed: int):
+    """A rollout-like ``SampleBatch``: random token ids, skewed response lengths (see the module docstring)."""
+    import torch
+
+    from gspo_ascend.engines.base import SampleBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (samples, prompt_length), generator=g).tolist()
+    lengths = (max_response * torch.rand(samples, generator=g) ** 2).ceil().clamp(1, max_response).long()
+    lengths[0] = max_response  # the tail: one response at the limit
+    mask = (torch.arange(max_response)[None] < lengths[:, None]).float()
+    responses = torch.randint(0, vocab, (samples, max_response), generator=g) * mask.long()
+    old = torch.full((samples, max_response), -math.log(vocab)) * mask
+    advantages = torch.randn(samples, generator=g)
+    return SampleBatch(prompts, responses, mask, old_log_probs=old, advantages=advantages)
+
+
+def sequence_lengths(batch) -> list[int]:
+    """Prompt + response tokens of every sample (padding excluded)."""
+    return [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.response_lengths.tolist(), strict=True)]
+
+
+def overrides(args: argparse.Namespace, model_dir: Path) -> list[str]:
+    """The config of the run (also what the planner is asked about)."""
+    return [
+        f"model.path={model_dir}",
+        f"model.dtype={args.dtype}",
+        f"model.attn_implementation={args.attn}",
+        f"trainer.device={args.device}",
+        f"trainer.seed={args.seed}",
+        f"actor.engine={args.engine}",
+        "actor.use_remove_padding=true",
+        f"actor.max_tokens_per_micro_batch={args.tokens_per_micro_batch}",
+        f"data.train_batch_size={args.samples}",
+        f"data.max_prompt_length={args.prompt_length}",
+        f"data.max_response_length={args.max_response_length}",
+        "rollout.n=1",
+        "algorithm.minibatches_per_rollout=1",  # one optimizer step per update: a step is one update
+        "actor.lr=1e-6",
+        "algorithm.clip_ratio_low=0.2",  # wide enough that the synthetic ratios are not clipped (a full gradient)
+        "algorithm.clip_ratio_high=0.28",
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- arithmetic
+
+
+def model_flops(spec, lengths: list[int]) -> dict[str, float]:
+    """Model FLOPs per token of one update over sequences of ``lengths`` (formula: the module docstring)."""
+    non_embedding = spec.total_params - spec.embedding_params * (1 if spec.tied else 2)
+    lm_head = spec.vocab * spec.hidden
+    tokens = sum(lengths)
+    context = sum(n * (n + 1) / 2 for n in lengths) / tokens  # mean keys per query, causal
+    attention = 12 * spec.layers * spec.heads * spec.head_dim * context
+    return {
+        "non_embedding_params": non_embedding,
+        "lm_head_params": lm_head,
+        "mean_causal_context": context,
+        "dense": 6 * non_embedding,
+        "lm_head": 6 * lm_head,
+        "attention": attention,
+        "per_token": 6 * non_embedding + 6 * lm_head + attention,
+    }
+
+
+def processed_tokens(batch, engine: str, budget: int) -> tuple[int, int]:
+    """(tokens the passes compute, micro-batches): the engines' own plan; megatron pads each to its longest."""
+    from gspo_ascend.engines.microbatch import plan_micro_batches, sample_tokens
+
+    plan = plan_micro_batches(batch, max_tokens=budget)
+    sizes = sample_tokens(batch)
+    if engine == "fsdp":  # packed rows: exactly the samples' tokens
+        return sum(sizes), len(plan)
+    return sum(len(g) * max(sizes[i] for i in g) for g in plan.groups), len(plan)
+
+
+def device_name(backend) -> str:
+    if backend.name == "cpu":
+        import platform
+
+        return f"cpu ({platform.machine()})"
+    return str(backend.module().get_device_name(0))
+
+
+def attention_name(engine: str, attn: str, backend) -> str:
+    """Which attention ran: megatron's depends on the device (see docs/engines.md), not on model.attn_implementation."""
+    if engine == "fsdp":
+        return attn
+    from gspo_ascend.engines import megatron_bridge, mindspeed_setup
+
+    if mindspeed_setup.enabled(backend):
+        return "megatron local spec under MindSpeed (npu_fusion_attention)"
+    if backend.name == "cuda" and megatron_bridge.transformer_engine_available():
+        return "megatron TE spec"
+    return "megatron local spec (DotProductAttention: unfused, [b, heads, S, S] scores)"
+
+
+def peak_tflops(name: str) -> float | None:
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+
+def build_engine(cfg, backend, model_dir: Path):
+    """As gspo_ascend/selftest/training.py's ``_build``; the engine makes a one-process group when none exists."""
+    if cfg.actor.engine == "fsdp":
+        from gspo_ascend.engines.fsdp import FSDPEngine
+
+        return FSDPEngine(cfg, backend, str(model_dir))
+    from gspo_ascend.engines.megatron import MegatronEngine
+
+    return MegatronEngine(cfg, backend, str(model_dir))
+
+
+def time_updates(engine, batch, backend, steps: int) -> tuple[list[float], dict[str, float]]:
+    """Seconds of each of ``steps`` updates after one warm-up, device-synchronized; the last update's metrics."""
+    engine.update(batch, TEMPERATURE)  # warm-up: allocator, kernels / autotuning, optimizer state
+    seconds, metrics = [], {}
+    for _ in range(steps):
+        backend.synchronize()
+        start = time.perf_counter()
+        metrics = engine.update(batch, TEMPERATURE)
+        backend.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds, metrics
+
+
+def predicted_memory(cfg, model_dir: Path) -> tuple[int, dict[str, int]]:
+    from gspo_ascend.doctor.modelspec import load_spec
+    from gspo_ascend.doctor.planner import train_phase
+
+    phase = train_phase(cfg, load_spec(str(model_dir)))
+    return phase.total, dict(phase.parts)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Build, time and measure; the report's raw numbers."""
+    from gspo_ascend.config import load_config
+    from gspo_ascend.device import get_backend
+    from gspo_ascend.doctor.modelspec import load_spec
+
+    backend = get_backend(args.device)  # before the model: a bad --device fails in one line, not after minutes
+    model_dir = write_model(args.shape, tmp / args.shape, args.seed)
+    over = overrides(args, model_dir)
+    cfg = load_config(None, over)
+    spec = load_spec(str(model_dir))
+    batch = synthetic_batch(args.samples, args.prompt_length, args.max_response_length, spec.vocab, args.seed)
+    predicted, parts = predicted_memory(cfg, model_dir)
+    engine = build_engine(cfg, backend, model_dir)
+    try:
+        seconds, metrics = time_updates(engine, batch, backend, args.steps)
+        on_device = backend.torch_device_type != "cpu"  # host RSS is not device memory (module docstring)
+        peak = backend.memory_stats()["peak_allocated"] if on_device else None
+    finally:
+        engine.close()
+    return {
+        "backend": backend,
+        "batch": batch,
+        "spec": spec,
+        "overrides": [o for o in over if not o.startswith("model.path=")],  # the temporary path means nothing later
+        "seconds": seconds,
+        "metrics": metrics,
+        "peak": peak,
+        "predicted": predicted,
+        "predicted_parts": parts,
+    }
+
+
+def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
+    """The JSON: what ran, tokens, time, FLOPs, MFU, memory (null where not measurable, see the docstring)."""
+    backend, batch, seconds = raw["backend"], raw["batch"], raw["seconds"]
+    lengths = sequence_lengths(batch)
+    tokens = sum(lengths)
+    processed, planned = processed_tokens(batch, args.engine, args.tokens_per_micro_batch)
+    flops = model_flops(raw["spec"], lengths)
+    tokens_per_s = tokens * len(seconds) / sum(seconds)
+    tflops = flops["per_token"] * tokens_per_s / 1e12
+    name = device_name(backend)
+    peak = peak_tflops(name) if backend.torch_device_type != "cpu" else None
+    ratio = raw["peak"] / raw["predicted"] if raw["peak"] is not None and raw["predicted"] else None
+    return {
+        "shape": args.shape,
+        "engine": args.engine,
+        "device": backend.name,
+        "device_name": name,
+        "dtype": args.dtype,
+        "attention": attention_name(args.engine, args.attn, backend),
+        "tokens_per_micro_batch": args.tokens_per_micro_batch,
+        "samples_per_step": len(batch),
+        "sequence_lengths": lengths,
+        "tokens_per_step": tokens,
+        "processed_tokens_per_step": processed,
+        "micro_batches_per_step": int(raw["metrics"].get("actor/micro_batches", planned)),
+        "planned_micro_batches": planned,
+        "warmup_steps": 1,
+        "steps": len(seconds),
+        "step_seconds": seconds,
+        "mean_step_seconds": statistics.fmean(seconds),
+        "median_step_seconds": statistics.median(seconds),
+        "tokens_per_second": tokens_per_s,
+        "flops": flops,
+        "flops_per_token": flops["per_token"],
+        "tflops_per_second": tflops,
+        "peak_tflops": peak,
+        "mfu": tflops / peak if peak else None,
+        "peak_memory_bytes": raw["peak"],
+        "predicted_memory_bytes": raw["predicted"],
+        "predicted_memory_parts": raw["predicted_parts"],
+        "memory_ratio": ratio,
+        "config_overrides": raw["overrides"],
+        "last_step_metrics": raw["metrics"],
+    }
+
+
+def summary_line(r: dict[str, Any]) -> str:
+    gib = 2**30
+    mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU n/a"
+    predicted = f"planner {r['predicted_memory_bytes'] / gib:.3g} GiB"
+    if r["peak_memory_bytes"] is None:
+        memory = f"peak device memory n/a on the host ({predicted})"
+    else:
+        memory = f"peak {r['peak_memory_bytes'] / gib:.3g} GiB / {predicted} = {r['memory_ratio']:.2f}"
+    return (
+        f"{SUMMARY_PREFIX} {r['shape']} {r['engine']} on {r['device_name']} ({r['dtype']}): "
+        f"{r['tokens_per_step']} tokens/step ({r['processed_tokens_per_step']} computed, "
+        f"{r['micro_batches_per_step']} micro-batches), {r['median_step_seconds']:.3f} s/step (median of "
+        f"{r['steps']}), {r['tokens_per_second']:,.0f} tokens/s, {r['flops_per_token'] / 1e9:.4g} GFLOP/token, "
+        f"{r['tflops_per_second']:.4g} TFLOP/s, {mfu}; {memory}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        with tempfile.TemporaryDirectory(prefix="gspo-throughput-") as tmp:
+            raw = run(args, Path(tmp))
+    except UserError as exc:  # ConfigError and DeviceError are UserErrors: one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = report(args, raw)
+    if result["device"] != "cpu" and result["peak_tflops"] is None:
+        print(f"no peak known for '{result['device_name']}': MFU omitted")
+    print(summary_line(result), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

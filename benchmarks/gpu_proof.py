@@ -116,11 +116,12 @@ def small_model_command(ctx: Ctx) -> list[str]:
 
 
 def judge_small_model(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
-    manifest = Path(ctx.found.get("model", "")) / "manifest.json"
-    if rc or not manifest.is_file():
+    from gspo_ascend.tiny import read_manifest
+
+    data = read_manifest(ctx.found["model"]) if "model" in ctx.found else None
+    if rc or data is None:
         ctx.found.pop("model", None)
         return "fail", f"exit {rc}: {_last_error(log)}", {}
-    data = json.loads(manifest.read_text())
     figures = {k: data.get(k) for k in ("num_parameters", "initial_accuracy", "build_seconds", "device")}
     acc = data.get("initial_accuracy") or {}
     return (
@@ -212,7 +213,9 @@ def train_figures(rows: list[dict], steps: list[dict]) -> dict:
 
 def throughput_command(engine: str) -> Callable[[Ctx], list[str]]:
     def command(ctx: Ctx) -> list[str]:
-        shape = ["--shape", "qwen3-0.6b", "--steps", "3"] if ctx.full else ["--shape", "tiny", "--steps", "2"]
+        shape = (
+            ["--shape", "qwen3-0.6b", "--steps", "3", "--profile"] if ctx.full else ["--shape", "tiny", "--steps", "2"]
+        )
         out = ctx.work / f"throughput_{engine}.json"
         return [ctx.python, str(BENCH / "train_throughput.py"), "--device", ctx.device, "--engine", engine,
                 "--tokens-per-micro-batch", "4096" if ctx.full else "256", *shape, "--json", str(out)]  # fmt: skip
@@ -403,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="gspo-proof-"))
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1")  # fmt: skip
+    # the checkout last: an installed gspo-ascend (the bundle's site) has patches/, env/, configs/ where the package
+    # expects them (pyproject's package-dir), the bare checkout does not
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))
+    env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
     ctx = Ctx(args.device, args.size, work, sys.executable, env, start + args.budget_s)
     header = environment(ctx)
     print(f"gpu proof: {json.dumps(header)}", flush=True)

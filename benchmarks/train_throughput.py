@@ -143,6 +143,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-length", type=int, default=None)
     p.add_argument("--max-response-length", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="after the timed steps, profile one more: top ops on stderr")
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
     args.tokens_per_micro_batch = args.tokens_per_micro_batch or shape.tokens_per_micro_batch
@@ -298,6 +299,21 @@ def time_updates(engine, batch, backend, steps: int) -> tuple[list[float], dict[
     return seconds, metrics
 
 
+def profile_update(engine, batch, backend) -> None:
+    """One more update under torch.profiler (not timed): the ops that take the time, on stderr. Where a step's time
+    goes on a device is the question a low MFU raises; a host-side gap shows as CPU time without device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.name == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine.update(batch, TEMPERATURE)
+        backend.synchronize()
+    sort = "self_cuda_time_total" if backend.name == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
+    print(f"profile of one update (torch {torch.__version__}), by {sort}:\n{table}", file=sys.stderr, flush=True)
+
+
 def predicted_memory(cfg, model_dir: Path) -> tuple[int, dict[str, int]]:
     from gspo_ascend.doctor.modelspec import load_spec
     from gspo_ascend.doctor.planner import train_phase
@@ -322,6 +338,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     engine = build_engine(cfg, backend, model_dir)
     try:
         seconds, metrics = time_updates(engine, batch, backend, args.steps)
+        if args.profile:
+            profile_update(engine, batch, backend)
         on_device = backend.torch_device_type != "cpu"  # host RSS is not device memory (module docstring)
         peak = backend.memory_stats()["peak_allocated"] if on_device else None
     finally:

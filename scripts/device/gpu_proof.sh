@@ -30,8 +30,18 @@ if [[ -n "$bundle" ]]; then
   site=${GSPO_SITE:-/tmp/gspo-site}
   start=$SECONDS
   bash scripts/device/install_bundle.sh "$bundle" "$site"
-  echo "bundle $bundle installed into $site in $((SECONDS - start)) s" >&2
+  # this checkout too, installed: gspo_ascend.patches / .env / .configs exist only as pyproject maps them
+  "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --disable-pip-version-check \
+    --target "$site" . > "$site.gspo-install.log" 2>&1 || {
+    # no setuptools / wheel there: lay the package out as pyproject's package-dir does
+    echo "gpu_proof: pip could not install this checkout ($(grep -m1 -i error "$site.gspo-install.log")); copying it" >&2
+    rm -rf "$site/gspo_ascend" && cp -r gspo_ascend "$site/gspo_ascend"
+    for sub in patches env configs; do cp -r "$sub" "$site/gspo_ascend/$sub"; done
+  }
+  rm -rf build ./*.egg-info
+  echo "bundle $bundle and this checkout installed into $site in $((SECONDS - start)) s" >&2
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$py" benchmarks/gpu_proof.py --out "$out" "${args[@]}"

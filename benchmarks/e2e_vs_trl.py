@@ -383,7 +383,9 @@ def side_setup(args: argparse.Namespace):
 
 
 def side_env(side: Side, cfg, model: str) -> dict[str, str]:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    # the checkout after what the caller put on the path (the GPU proof's site of carried packages), not instead
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
     if side.rollout == "vllm":
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # see the module docstring
     if side.trainer == "trl" and side.rollout == "vllm":

@@ -175,8 +175,8 @@ def judge_train(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
     path = ctx.work / "train" / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     steps = [r for r in rows if r.get("step", 0) >= 1 and "reward/mean" in r]
-    if rc or not steps:
-        return "fail", f"exit {rc}, {len(steps)} step(s) logged: {_last_error(log)}", {}
+    if not steps:
+        return "fail", f"exit {rc}, no step logged: {_last_error(log)}", {}
     figures = train_figures(rows, steps)
     reward, val = figures["reward_mean"], figures["validation"]
     detail = (
@@ -185,7 +185,7 @@ def judge_train(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
         + " -> ".join(f"{v:.3f}" for _, v in val)
         + f"; median step {figures['stage_median_s'].get('step', math.nan):.2f} s"
     )
-    return ("pass" if all(map(math.isfinite, reward)) else "fail"), detail, figures
+    return ("pass" if rc == 0 and all(map(math.isfinite, reward)) else "fail"), detail, figures
 
 
 def train_figures(rows: list[dict], steps: list[dict]) -> dict:
@@ -291,19 +291,20 @@ def run_step(step: Step, ctx: Ctx, logs: Path) -> Record:
     seconds = time.monotonic() - start
     if rc is None:
         _stop_ray(ctx)
-        return Record(step.name, "timeout", seconds, f"killed at its limit of {limit:.0f} s: {_last_line(log)}",
-                      command=command)  # fmt: skip
-    try:
-        status, detail, figures = step.judge(ctx, rc, log)
+    try:  # after a timeout too: what a killed step had written (a run's first steps) is a result
+        status, detail, figures = step.judge(ctx, -9 if rc is None else rc, log)
     except Exception as exc:  # a judge reading a half-written result: the step failed, the proof goes on
         status, detail, figures = "fail", f"exit {rc}; its results could not be read: {exc!r}", {}
+    if rc is None:
+        status, detail = "timeout", f"killed at its limit of {limit:.0f} s; {detail}"
     return Record(step.name, status, seconds, detail, figures, command)
 
 
 def _run(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
     """Exit code, or None when killed at ``limit``; stdout to ``<log>.out`` (the parseable part), stderr to ``log``."""
     with log.open("w") as err, log.with_suffix(".out").open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True)
+        # cwd: not the checkout, whose bare gspo_ascend/ `python -m` would put before an installed one (no patches/)
+        proc = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=log.parent, start_new_session=True)
         try:
             return proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -361,7 +362,7 @@ def environment(ctx: Ctx) -> dict:
     """What ran: device, versions of the stack, commit."""
     from importlib import metadata
 
-    done = subprocess.run([ctx.python, "-c", DEVICE_PROBE, ctx.device], env=ctx.env, cwd=REPO, capture_output=True,
+    done = subprocess.run([ctx.python, "-c", DEVICE_PROBE, ctx.device], env=ctx.env, cwd=ctx.work, capture_output=True,
                           text=True, check=False)  # fmt: skip
     found = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {"error": done.stderr[-300:]}
     versions = {}

@@ -77,7 +77,7 @@ def test_a_step_past_its_limit_is_killed_and_reported(tmp_path):
     start = time.monotonic()
     record = gpu_proof.run_step(step, ctx, logs)
     assert record.status == "timeout" and time.monotonic() - start < 30
-    assert "limit of 1 s" in record.detail
+    assert "limit of 1 s" in record.detail and record.detail.endswith("; ")
 
 
 def test_a_spent_budget_skips_and_a_failing_judge_is_a_failure(tmp_path):

@@ -146,6 +146,17 @@ def _init_ray(backend, world_size: int) -> None:
     )
 
 
+def actor_resources(bundle: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options asking for one placement bundle. CPU and GPU are Ray's own resources, which it accepts only
+    as ``num_cpus`` / ``num_gpus`` (in ``resources`` it raises "Use the 'num_cpus' and 'num_gpus' keyword instead");
+    any other (NPU) is a custom resource. Found by the first run on a GPU (docs/results/gpu/)."""
+    return {
+        "num_cpus": bundle.get("CPU", 0),
+        "num_gpus": bundle.get("GPU", 0),
+        "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+    }
+
+
 class WorkerGroup:
     """Driver-side handle on the ``world_size`` actors; methods mirror :class:`PolicyWorker`'s phases."""
 
@@ -171,8 +182,7 @@ class WorkerGroup:
         env = actor_env(cfg, backend)  # Ray merges these into the job's env_vars, set before the process starts
         self.workers = [
             remote.options(
-                num_cpus=bundle["CPU"],
-                resources={k: v for k, v in bundle.items() if k != "CPU"},
+                **actor_resources(bundle),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
                 **({"runtime_env": {"env_vars": env}} if env else {}),
             ).remote(cfg_dict, model_path, rank, self.world_size, threads)

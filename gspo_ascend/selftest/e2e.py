@@ -41,13 +41,19 @@ def engines(backend) -> tuple[str, str]:
     return actor, "vllm" if vllm else "hf"
 
 
+def prompts(devices: int) -> int:
+    """Prompts per step: the fewest that the default 4 minibatches and ``devices`` data-parallel ranks both divide
+    (4 on one or two devices; 2 per device, as before, left one device with 2 prompts for 4 minibatches: refused)."""
+    return math.lcm(4, devices)
+
+
 def command(backend, devices: int, out: Path) -> list[str]:
     actor, rollout = engines(backend)
     return [
         sys.executable, "-m", "gspo_ascend.cli", "train",
         f"trainer.device={backend.name}", f"trainer.devices_per_node={devices}", f"trainer.total_steps={STEPS}",
         f"trainer.output_dir={out}", "trainer.save_freq=0", "trainer.resume=never", "trainer.loggers=[console,jsonl]",
-        f"data.train_batch_size={2 * devices}", "rollout.n=4", f"actor.engine={actor}", f"rollout.engine={rollout}",
+        f"data.train_batch_size={prompts(devices)}", "rollout.n=4", f"actor.engine={actor}", f"rollout.engine={rollout}",
     ]  # fmt: skip
 
 

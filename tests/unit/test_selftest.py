@@ -293,3 +293,16 @@ def test_mc2_runs_on_the_largest_world_the_kernels_take(npu, monkeypatch, tmp_pa
     detail = mc2.check_mc2(npu, 3, tmp_path)
     assert "exact on 2 of 3 devices (MC2 takes 2, 4 or 8 ranks)" in detail
     assert sorted(p.name for p in tmp_path.glob("mc2.rank*.json")) == ["mc2.rank0.json", "mc2.rank1.json"]
+
+
+@pytest.mark.parametrize("devices, prompts", [(1, 4), (2, 4), (3, 12), (8, 8)])
+def test_the_end_to_end_run_is_a_valid_config_on_any_device_count(devices, prompts, tmp_path):
+    """The first GPU run (docs/results/gpu/) found `selftest --devices 1`'s end-to-end run refused by the config
+    (2 prompts per step for 4 minibatches): each device count must give a config `gspo-ascend train` accepts."""
+    from gspo_ascend.config import load_config
+    from gspo_ascend.selftest import e2e
+
+    argv = e2e.command(CPU, devices, tmp_path / "run")
+    overrides = argv[argv.index("train") + 1 :]
+    cfg = load_config(None, overrides)  # raises ConfigError on a batch the minibatches / ranks do not divide
+    assert cfg.data.train_batch_size == prompts and cfg.trainer.devices_per_node == devices

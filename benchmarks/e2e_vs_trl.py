@@ -109,8 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="preset of model, length, steps, sides")
     p.add_argument("--sides", default=None, help=f"comma-separated, of: {', '.join(SIDES)} (default: the shape's)")
-    p.add_argument("--model", choices=("tiny", "small"), default=None, help="make-tiny-model size (default: shape's)")
-    p.add_argument("--model-dir", type=Path, default=None, help="a built make-tiny-model directory (not --model's)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument(
+        "--model", choices=("tiny", "small"), default=None, help="make-tiny-model size (default: shape's)"
+    )
+    model.add_argument("--model-dir", type=Path, default=None, help="a built make-tiny-model directory instead")
     p.add_argument("--steps", type=int, default=None, help="rollout batches per side, the first is warm-up")
     p.add_argument("--batch", type=int, default=16, help="prompts per rollout batch (a multiple of 4)")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (>= 2)")

@@ -1,8 +1,8 @@
 """The GPU proof (issue #29): every layer of this build on one accelerator in one prepared run, each step in its own
 process with its own time limit, the whole inside a time budget; JSON + a markdown summary into one folder.
 
-    PYTHONPATH=. python benchmarks/gpu_proof.py --device cuda --out OUT          # on an H100 (~6 min)
-    PYTHONPATH=. .venv/bin/python benchmarks/gpu_proof.py --device cpu --size tiny --out OUT   # CI: ~3 min
+    python benchmarks/gpu_proof.py --device cuda --out OUT          # gspo-ascend installed; an H100: ~6 min
+    .venv/bin/python benchmarks/gpu_proof.py --device cpu --out OUT   # CI, tiny sizes: ~4 min
 
 ``scripts/device/gpu_proof.sh`` is the entry on the device machine (installs the carried bundle first). Steps, in
 order of what they prove (a step that finds the budget spent is ``skip`` with that reason; failures are results):
@@ -27,6 +27,7 @@ log and its raw results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -111,6 +112,7 @@ def small_model_command(ctx: Ctx) -> list[str]:
     if not ctx.full:
         raise Skip("--size tiny trains the embedded tiny model")
     out = ctx.work / "small-model"
+    shutil.rmtree(out, ignore_errors=True)  # a reused --work: judge this run's model only
     ctx.found["model"] = str(out)
     return _gspo(ctx, "make-tiny-model", "--size", "small", "--device", ctx.device, "--output-dir", str(out))
 
@@ -168,7 +170,9 @@ def train_overrides(ctx: Ctx) -> list[str]:
 
 
 def train_command(ctx: Ctx) -> list[str]:
-    return _gspo(ctx, "train", *train_overrides(ctx))
+    overrides = train_overrides(ctx)
+    shutil.rmtree(ctx.work / "train", ignore_errors=True)  # a reused --work: judge this run's metrics only
+    return _gspo(ctx, "train", *overrides)
 
 
 def judge_train(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
@@ -204,8 +208,10 @@ def train_figures(rows: list[dict], steps: list[dict]) -> dict:
         "reward_rising": last > first,
         "validation": val,
         "validation_rising": len(val) > 1 and val[-1][1] > val[0][1],
-        "stage_median_s": {
-            k[5:-2]: statistics.median(float(r[k]) for r in timed if k in r) for k in stages if k.endswith("_s")
+        "stage_median_s": {  # a stage only the first step had (a warm-up) has no median: left out
+            k[5:-2]: statistics.median(float(r[k]) for r in timed if k in r)
+            for k in stages
+            if k.endswith("_s") and any(k in r for r in timed)
         },
         "response_length_mean": statistics.fmean(float(r.get("response/length_mean", math.nan)) for r in steps),
     }
@@ -217,6 +223,7 @@ def throughput_command(engine: str) -> Callable[[Ctx], list[str]]:
             ["--shape", "qwen3-0.6b", "--steps", "3", "--profile"] if ctx.full else ["--shape", "tiny", "--steps", "2"]
         )
         out = ctx.work / f"throughput_{engine}.json"
+        out.unlink(missing_ok=True)  # a reused --work: judge this run's results only
         return [ctx.python, str(BENCH / "train_throughput.py"), "--device", ctx.device, "--engine", engine,
                 "--tokens-per-micro-batch", "4096" if ctx.full else "256", *shape, "--json", str(out)]  # fmt: skip
 
@@ -236,6 +243,7 @@ def throughput_judge(engine: str) -> Callable[[Ctx, int, Path], tuple[str, str, 
 
 def trl_command(ctx: Ctx) -> list[str]:
     out = ctx.work / "trl.json"
+    out.unlink(missing_ok=True)  # a reused --work: judge this run's results only
     if ctx.full and "model" not in ctx.found:
         raise Skip("the small model was not built (step small_model)")
     sizes = (
@@ -276,10 +284,13 @@ STEPS = [
 # ----------------------------------------------------------------------------------------------- running
 
 
+BUDGET_SPENT = "the proof's time budget is spent"
+
+
 def run_step(step: Step, ctx: Ctx, logs: Path) -> Record:
     left = ctx.deadline - time.monotonic() - 5  # 5 s to write the results
     if left < 20:  # nothing worth starting: a process start alone takes seconds
-        return Record(step.name, "skip", 0.0, f"the proof's time budget is spent ({max(left, 0):.0f} s left)")
+        return Record(step.name, "skip", 0.0, f"{BUDGET_SPENT} ({max(left, 0):.0f} s left)")
     limit = min(step.limit_s[ctx.size], left)
     try:
         command = step.command(ctx)
@@ -287,10 +298,8 @@ def run_step(step: Step, ctx: Ctx, logs: Path) -> Record:
         return Record(step.name, "skip", 0.0, str(why))
     log = logs / f"{step.name}.log"
     start = time.monotonic()
-    rc = _run(command, ctx.env, log, limit)
+    rc = _run(command, {**ctx.env, MARK: f"{ctx.work}:{step.name}"}, log, limit)
     seconds = time.monotonic() - start
-    if rc is None:
-        _stop_ray(ctx)
     try:  # after a timeout too: what a killed step had written (a run's first steps) is a result
         status, detail, figures = step.judge(ctx, -9 if rc is None else rc, log)
     except Exception as exc:  # a judge reading a half-written result: the step failed, the proof goes on
@@ -300,23 +309,38 @@ def run_step(step: Step, ctx: Ctx, logs: Path) -> Record:
     return Record(step.name, status, seconds, detail, figures, command)
 
 
+MARK = "GSPO_PROOF_STEP"  # in every step's environment, inherited by all it starts (Ray's daemons too)
+
+
 def _run(command: list[str], env: dict[str, str], log: Path, limit: float) -> int | None:
-    """Exit code, or None when killed at ``limit``; stdout to ``<log>.out`` (the parseable part), stderr to ``log``."""
+    """Exit code, or None when killed at ``limit``; stdout to ``<log>.out`` (the parseable part), stderr to ``log``.
+    A step past its limit, or a proof interrupted (Ctrl-C, SIGTERM), leaves nothing of the step running."""
     with log.open("w") as err, log.with_suffix(".out").open("w") as out:
         # cwd: not the checkout, whose bare gspo_ascend/ `python -m` would put before an installed one (no patches/)
         proc = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=log.parent, start_new_session=True)
         try:
             return proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             return None
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if MARK in env:
+                _kill_marked(env[MARK])
 
 
-def _stop_ray(ctx: Ctx) -> None:
-    """A step killed at its limit leaves Ray's daemons (their own sessions): the next step must not join them."""
-    subprocess.run([ctx.python, "-m", "ray.scripts.scripts", "stop", "--force"], env=ctx.env, capture_output=True,
-                   timeout=60, check=False)  # fmt: skip
+def _kill_marked(mark: str) -> None:
+    """Every process still carrying this step's mark: Ray's GCS, raylet and workers start sessions of their own, so
+    the step's process group misses them, and the next step must not join a half-dead cluster. Only this step's:
+    `ray stop` would take any Ray of the machine's user down."""
+    import psutil
+
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid != os.getpid() and proc.environ().get(MARK) == mark:
+                proc.kill()
 
 
 def _last_json_list(path: Path) -> list | None:
@@ -398,13 +422,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through _run's finally, which kills the running step
+
+
 def main(argv: list[str] | None = None) -> int:
     from proof_report import render_markdown  # benchmarks/ is this script's folder: on sys.path when run as a file
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    signal.signal(signal.SIGTERM, _terminated)  # a device call's time limit: the running step is cleaned up too
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    work = args.work or Path(tempfile.mkdtemp(prefix="gspo-proof-"))
+    # absolute: the steps run in work/logs, and their arguments name paths under work
+    work = (args.work or Path(tempfile.mkdtemp(prefix="gspo-proof-"))).resolve()
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     # the checkout last: an installed gspo-ascend (the bundle's site) has patches/, env/, configs/ where the package
@@ -431,10 +461,12 @@ def main(argv: list[str] | None = None) -> int:
                 tar.add(raw, arcname=f"raw/{raw.name}")
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
-    failed = [r.name for r in records if r.status in ("fail", "timeout")]
+    # a step asked for but left unrun for lack of time is no success either
+    failed = [r.name for r in records if r.status in ("fail", "timeout") or r.detail.startswith(BUDGET_SPENT)]
+    counts = ", ".join(f"{sum(r.status == s for r in records)} {s}" for s in ("pass", "fail", "timeout", "skip"))
     print(
-        f"gpu proof: {len(records) - len(failed)} of {len(records)} steps without failure in "
-        f"{result['seconds']:.0f} s; {args.out / 'proof.md'}" + (f"; failed: {failed}" if failed else "")
+        f"gpu proof: {counts} in {result['seconds']:.0f} s; {args.out / 'proof.md'}"
+        + (f"; failed or not run for time: {failed}" if failed else "")
     )
     return 1 if failed else 0
 

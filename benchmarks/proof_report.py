@@ -77,7 +77,7 @@ THROUGHPUT_ROWS = [
     ("real tokens per step", lambda f: f.get("tokens_per_step"), ",d"),
     ("tokens computed (with padding)", lambda f: f.get("processed_tokens_per_step"), ",d"),
     ("micro-batches per step", lambda f: f.get("micro_batches_per_step"), "d"),
-    ("step, median (s)", lambda f: f.get("median_step_seconds"), ".3f"),
+    ("step, mean of the timed steps (s)", lambda f: f.get("mean_step_seconds"), ".3f"),  # tokens/s's denominator
     ("tokens/s (real tokens)", lambda f: f.get("tokens_per_second"), ",.0f"),
     ("model GFLOP per token", lambda f: (f.get("flops_per_token") or 0) / 1e9 or None, ".3f"),
     ("model TFLOP/s", lambda f: f.get("tflops_per_second"), ".1f"),

@@ -81,8 +81,17 @@ from gspo_ascend.errors import UserError  # noqa: E402
 
 SUMMARY_PREFIX = "train_throughput:"  # the test finds the summary line by it
 TEMPERATURE = 1.0
-# dense bf16 peaks (TFLOP/s) by a substring of the device name: NVIDIA H100 SXM / H200 datasheets (without sparsity)
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
+# dense bf16 peaks (TFLOP/s, NVIDIA's datasheets, half the "with sparsity" figure) by a substring of the device name,
+# the first that matches: the PCIe and NVL cards run lower clocks than the SXM ones whose names carry no form factor
+# (torch names the H100 SXM "NVIDIA H100 80GB HBM3"); "H200" before "H20" (the H20, our GPU target, is another card)
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H20", 148.0),
+)
 
 
 @dataclass(frozen=True)
@@ -138,13 +147,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed updates after one warm-up update")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flash_attention_2"), help="fsdp only")
+    p.add_argument("--attn", default=None, choices=("sdpa", "eager", "flash_attention_2"), help="fsdp only (sdpa)")
     p.add_argument("--samples", type=int, default=None, help="sequences per step (default: the shape's)")
     p.add_argument("--prompt-length", type=int, default=None)
     p.add_argument("--max-response-length", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="after the timed steps, profile one more: top ops on stderr")
     args = p.parse_args(argv)
+    if (
+        args.attn is not None and args.engine == "megatron"
+    ):  # megatron's attention is its layer spec's (docs/engines.md)
+        p.error("--attn is the fsdp engine's (model.attn_implementation); megatron's attention is its layer spec's")
+    args.attn = args.attn or "sdpa"
     shape = SHAPES[args.shape]
     args.tokens_per_micro_batch = args.tokens_per_micro_batch or shape.tokens_per_micro_batch
     args.samples = args.samples or shape.samples
@@ -269,7 +283,7 @@ def attention_name(engine: str, attn: str, backend) -> str:
 
 
 def peak_tflops(name: str) -> float | None:
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -414,8 +428,9 @@ def summary_line(r: dict[str, Any]) -> str:
     return (
         f"{SUMMARY_PREFIX} {r['shape']} {r['engine']} on {r['device_name']} ({r['dtype']}): "
         f"{r['tokens_per_step']} tokens/step ({r['processed_tokens_per_step']} computed, "
-        f"{r['micro_batches_per_step']} micro-batches), {r['median_step_seconds']:.3f} s/step (median of "
-        f"{r['steps']}), {r['tokens_per_second']:,.0f} tokens/s, {r['flops_per_token'] / 1e9:.4g} GFLOP/token, "
+        f"{r['micro_batches_per_step']} micro-batches), {r['mean_step_seconds']:.3f} s/step (mean of "
+        f"{r['steps']}, as tokens/s), {r['tokens_per_second']:,.0f} tokens/s, "
+        f"{r['flops_per_token'] / 1e9:.4g} GFLOP/token, "
         f"{r['tflops_per_second']:.4g} TFLOP/s, {mfu}; {memory}"
     )
 

@@ -425,8 +425,12 @@ def gspo_home() -> Path:
     return Path(os.environ.get("GSPO_HOME") or Path.home() / ".cache" / "gspo-ascend").expanduser()
 
 
-def default_tiny_dir(moe: bool = False, size: str = "tiny") -> Path:
-    return gspo_home() / (f"{size}-qwen3-moe" if moe else f"{size}-qwen3")
+def default_tiny_dir(moe: bool = False, size: str = "tiny", device_type: str = "cpu") -> Path:
+    """Where a model of this recipe lives by default. A build on an accelerator gets a folder of its own
+    (``small-qwen3-cuda``): it is another model than the CPU's, and the CPU one (40 minutes for ``small``) must
+    not be replaced by it, nor it by a CPU rebuild."""
+    name = f"{size}-qwen3-moe" if moe else f"{size}-qwen3"
+    return gspo_home() / (name if device_type == "cpu" else f"{name}-{device_type}")
 
 
 def _size_overrides(size: str, overrides: dict) -> dict:
@@ -528,7 +532,11 @@ def make_tiny_model(
     spec = replace(TinySpec(moe=moe), **_size_overrides(size, overrides))
     spec = replace(spec, sft_steps=spec.sft_steps if sft_steps is None else sft_steps)
     spec = replace(spec, noisy_sft_steps=spec.noisy_sft_steps if noisy_sft_steps is None else noisy_sft_steps)
-    out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe, size)
+    out = (
+        Path(output_dir).expanduser()
+        if output_dir is not None
+        else default_tiny_dir(moe, size, backend.torch_device_type)
+    )
     _check_output_dir(out)
     start = time.perf_counter()
     with _deterministic(backend):
@@ -645,9 +653,9 @@ def ensure_tiny_model(
     """
     from .device import get_backend
 
-    out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe, size)
-    wanted = asdict(replace(TinySpec(moe=moe), **_size_overrides(size, overrides)))
     built_on = get_backend(device).torch_device_type
+    out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe, size, built_on)
+    wanted = asdict(replace(TinySpec(moe=moe), **_size_overrides(size, overrides)))
     manifest = read_manifest(out) or {}
     spec = manifest.get("spec")
     spec = {**asdict(TinySpec(moe=moe)), **spec} if isinstance(spec, dict) else spec
@@ -661,7 +669,10 @@ def ensure_tiny_model(
 
 
 def add_make_tiny_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output-dir", help="default: $GSPO_HOME/<size>-qwen3[-moe] ($GSPO_HOME: ~/.cache/gspo-ascend)")
+    p.add_argument(
+        "--output-dir",
+        help="default: $GSPO_HOME/<size>-qwen3[-moe][-<device>] ($GSPO_HOME: ~/.cache/gspo-ascend; no suffix on cpu)",
+    )
     p.add_argument("--moe", action="store_true", help="build the Qwen3-MoE variant (4 experts, top-2)")
     p.add_argument(
         "--size",
@@ -693,7 +704,7 @@ def main_make_tiny_model(args: argparse.Namespace) -> int:
         size=args.size,
         device=args.device,
     )
-    out = args.output_dir or default_tiny_dir(args.moe, args.size)
+    out = args.output_dir or default_tiny_dir(args.moe, args.size, manifest["device"])
     acc = manifest["initial_accuracy"]
     n = acc["sampled_length"]
     print(

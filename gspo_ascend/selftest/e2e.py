@@ -53,7 +53,8 @@ def command(backend, devices: int, out: Path) -> list[str]:
         sys.executable, "-m", "gspo_ascend.cli", "train",
         f"trainer.device={backend.name}", f"trainer.devices_per_node={devices}", f"trainer.total_steps={STEPS}",
         f"trainer.output_dir={out}", "trainer.save_freq=0", "trainer.resume=never", "trainer.loggers=[console,jsonl]",
-        f"data.train_batch_size={prompts(devices)}", "rollout.n=4", f"actor.engine={actor}", f"rollout.engine={rollout}",
+        f"data.train_batch_size={prompts(devices)}", "rollout.n=4",
+        f"actor.engine={actor}", f"rollout.engine={rollout}",
     ]  # fmt: skip
 
 

@@ -111,8 +111,9 @@ PLATFORMS = (
 # Removed from Ray's install (paths relative to the site dir, fnmatch patterns; a trailing '/' = a folder and all in
 # it). Nothing here is imported or opened by ray.init(include_dashboard=False) and its processes (gcs_server, raylet,
 # the minimal dashboard head, dashboard agent, runtime-env agent, log monitor, autoscaler monitor, workers) when they
-# run actors in placement groups with runtime_env env_vars: checked with an audit hook over every process
-# (tests/unit/test_device_bundle.py runs that workload on the pruned site).
+# run actors in placement groups with runtime_env env_vars: established once by logging every file those processes
+# opened, imported or executed; tests/unit/test_device_bundle.py runs that workload on the pruned site and fails
+# on any traceback in Ray's logs.
 RAY_PRUNE = (
     "ray/jars/",  # Java worker support
     "ray/dashboard/client/",  # the dashboard's web front end (the dashboard itself stays: its head runs minimal)

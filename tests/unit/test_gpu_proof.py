@@ -67,17 +67,88 @@ def test_judge_selftest_parses_the_json_after_progress_lines(tmp_path):
     assert detail == "1 pass, 1 fail, 1 skip; training/x: off by 1e-1"
 
 
-def test_a_step_past_its_limit_is_killed_and_reported(tmp_path):
+# a step that starts a daemon in a session of its own (as Ray's GCS and raylet are), prints its pid, then hangs
+DAEMON_THEN_HANG = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_step_past_its_limit_is_killed_with_what_it_started_and_reported(tmp_path):
+    import psutil
+
     logs = tmp_path / "logs"
     logs.mkdir()
-    step = gpu_proof.Step("sleeper", {"tiny": 1}, lambda ctx: [sys.executable, "-c", "import time; time.sleep(60)"],
-                          lambda ctx, rc, log: ("pass", "", {}))  # fmt: skip
-    ctx = _ctx(tmp_path)
-    ctx.python = sys.executable
+    step = gpu_proof.Step("sleeper", {"tiny": 3}, lambda ctx: [sys.executable, "-c", DAEMON_THEN_HANG],
+                          lambda ctx, rc, log: ("fail", f"exit {rc}", {}))  # fmt: skip
     start = time.monotonic()
-    record = gpu_proof.run_step(step, ctx, logs)
+    record = gpu_proof.run_step(step, _ctx(tmp_path), logs)
     assert record.status == "timeout" and time.monotonic() - start < 30
-    assert "limit of 1 s" in record.detail and record.detail.endswith("; ")
+    assert record.detail == "killed at its limit of 3 s; exit -9"  # the judge still read what the step left
+    daemon = int((logs / "sleeper.out").read_text().split()[0])
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(daemon).status() == psutil.STATUS_ZOMBIE  # killed, not reaped by its new parent
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 10  # a SIGKILL is delivered asynchronously
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), "the step's daemon (its own session) outlived the step"
+
+
+def test_judges_of_the_model_throughput_and_trl_steps(tmp_path):
+    from gspo_ascend.tiny import MANIFEST
+
+    ctx, log = _ctx(tmp_path, size="full"), tmp_path / "x.log"
+    log.write_text("ValueError: boom\n")
+    model = tmp_path / "small-model"
+    ctx.found["model"] = str(model)
+    assert gpu_proof.judge_small_model(ctx, 0, log)[0] == "fail" and "model" not in ctx.found  # no manifest
+    model.mkdir()
+    manifest = {"num_parameters": 1234, "device": "cuda", "build_seconds": 5.0,
+                "initial_accuracy": {"sampled_t1": 0.25, "greedy": 0.5, "sampled_length": {"max": 9}}}  # fmt: skip
+    (model / MANIFEST).write_text(json.dumps(manifest))
+    ctx.found["model"] = str(model)
+    status, detail, figures = gpu_proof.judge_small_model(ctx, 0, log)
+    assert status == "pass" and figures["device"] == "cuda"
+    assert detail.startswith("1,234 parameters built on cuda in 5.0 s; initial accuracy 0.25 sampled, 0.50 greedy")
+
+    judge = gpu_proof.throughput_judge("fsdp")
+    assert judge(ctx, 1, log) == ("fail", "exit 1: ValueError: boom", {})
+    (tmp_path / "throughput_fsdp.json").write_text(json.dumps({"tokens_per_second": 10.0}))
+    assert judge(ctx, 0, log)[0] == "pass" and judge(ctx, 0, log)[2] == {"tokens_per_second": 10.0}
+
+    sides = {"ours-hf": {"median_step_s": None, "tokens_per_s": None, "error": "ValueError: no GPU"},
+             "trl-hf": {"median_step_s": 5.4, "tokens_per_s": 3236.0, "error": None}}  # fmt: skip
+    (tmp_path / "trl.json").write_text(json.dumps({"step_time_ratio": float("nan"), "sides": sides}))
+    status, detail, figures = gpu_proof.judge_trl(ctx, 1, log)
+    assert (
+        status == "fail"
+        and detail == "ours-hf / trl-hf median step time nanx; ours-hf ValueError: no GPU, trl-hf 5.40 s"
+    )
+    sides["ours-hf"] = {"median_step_s": 2.7, "tokens_per_s": 6000.0, "error": None}
+    (tmp_path / "trl.json").write_text(json.dumps({"step_time_ratio": 0.5, "sides": sides}))
+    assert gpu_proof.judge_trl(ctx, 0, log)[:2] == (
+        "pass",
+        "ours-hf / trl-hf median step time 0.500x; ours-hf 2.70 s, trl-hf 5.40 s",
+    )
+
+
+def test_a_reused_work_folder_never_passes_off_old_results(tmp_path):
+    ctx = _ctx(tmp_path, size="full")
+    ctx.found["model"] = str(tmp_path / "m")
+    for name in ("trl.json", "throughput_fsdp.json"):
+        (tmp_path / name).write_text("{}")
+    _write_metrics(tmp_path / "train" / "metrics.jsonl", [{"step": 1, "reward/mean": 0.5}])
+    gpu_proof.trl_command(ctx)
+    gpu_proof.throughput_command("fsdp")(ctx)
+    gpu_proof.train_command(ctx)
+    assert not any((tmp_path / n).exists() for n in ("trl.json", "throughput_fsdp.json", "train"))
 
 
 def test_a_spent_budget_skips_and_a_failing_judge_is_a_failure(tmp_path):

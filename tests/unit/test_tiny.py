@@ -275,7 +275,10 @@ def test_determinism_on_an_accelerator_warns_instead_of_aborting_and_configures_
     from gspo_ascend.device import CPU, CUDA, NPU
     from gspo_ascend.tiny import _deterministic
 
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    # setenv first: monkeypatch then records the variable's original state (unset) and restores it at teardown, so
+    # the value _deterministic(CUDA) leaves set does not leak into later tests
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "unset-below")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     with _deterministic(CPU):  # the shipped bytes: strict
         assert (
@@ -294,3 +297,14 @@ def test_determinism_on_an_accelerator_warns_instead_of_aborting_and_configures_
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     with _deterministic(CUDA):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the user's choice is kept
+
+
+def test_a_model_built_on_an_accelerator_has_a_default_folder_of_its_own(monkeypatch, tmp_path):
+    """The CPU build of the small model takes ~40 minutes: a GPU build (another model) must not replace it by
+    default, nor be replaced by a CPU rebuild."""
+    from gspo_ascend.tiny import default_tiny_dir
+
+    monkeypatch.setenv("GSPO_HOME", str(tmp_path))
+    assert default_tiny_dir(size="small") == tmp_path / "small-qwen3"
+    assert default_tiny_dir(size="small", device_type="cuda") == tmp_path / "small-qwen3-cuda"
+    assert default_tiny_dir(moe=True, device_type="npu") == tmp_path / "tiny-qwen3-moe-npu"

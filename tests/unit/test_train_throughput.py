@@ -82,6 +82,8 @@ def test_peak_table(bench):
     assert bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
     assert bench.peak_tflops("NVIDIA H200") == 989.4
     assert bench.peak_tflops("NVIDIA A100-SXM4-80GB") is None
+    assert bench.peak_tflops("NVIDIA H100 PCIe") == 756.0 and bench.peak_tflops("NVIDIA H200 NVL") == 835.0
+    assert bench.peak_tflops("NVIDIA H20") == 148.0  # not the H200's
 
 
 def test_synthetic_batch_is_skewed_and_in_range(bench):

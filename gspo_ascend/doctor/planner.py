@@ -143,6 +143,11 @@ def _optimizer_bytes_per_param(cfg) -> int:
     return 12 if ELEMENT_BYTES[cfg.model.dtype] == 2 else 8
 
 
+# megatron-core's local spec without Transformer Engine keeps unfused [S, S] attention scores: measured 2.45x this
+# plan on an H100 (docs/results/gpu/README.md). Said on the line a user reads, not only in the docs.
+FUSED_ATTENTION_NOTE = "fused attention assumed (TE on GPU, flash on NPU; without TE far more: docs/memory-planner.md)"
+
+
 def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
     lay, e = layout(cfg), ELEMENT_BYTES[cfg.model.dtype]
     per_stage = -(-spec.layers // lay.pp)
@@ -172,7 +177,7 @@ def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
         "weights": f"{dense:,} dense + {experts:,} expert params on this device",
         "optimizer": f"{opt} B/param {shard}",
         "activations": f"{len(layers)} layers x {inflight} micro-batch(es) of {micro_tokens(cfg)} tokens, "
-        f"recompute {recompute_mode(cfg)}",
+        f"recompute {recompute_mode(cfg)}, {FUSED_ATTENTION_NOTE}",
     }
     where = "only pipeline stage" if lay.pp == 1 else ("first" if first else "last") + " pipeline stage"
     return Phase("training", where, parts, notes)

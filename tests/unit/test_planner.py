@@ -211,6 +211,8 @@ def test_qwen25_3b_megatron_tp2_on_h20():
     assert p.train.parts["logits"] == 3_733_979_136  # 8192 x 75,968 x 6
     assert p.train.total == 44_352_651_264 and p.train_verdict == "fits"
     assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 30_465_254_400  # DP 4
+    # the assumption the first GPU run found 2.45x off without Transformer Engine is on the line a user reads
+    assert "fused attention assumed" in render_text(p).split("activations")[1].splitlines()[0]
 
 
 def test_eager_attention_adds_the_score_term():

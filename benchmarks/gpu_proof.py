@@ -354,47 +354,41 @@ def _last_json_list(path: Path) -> list | None:
         return None
 
 
-def _lines(log: Path) -> list[str]:
-    texts = [p.read_text(errors="replace") for p in (log, log.with_suffix(".out")) if p.is_file()]
-    return [line.strip() for text in texts for line in text.splitlines() if line.strip()]
+def _output(log: Path) -> str:
+    """A step's stderr then its stdout."""
+    return "\n".join(p.read_text(errors="replace") for p in (log, log.with_suffix(".out")) if p.is_file())
 
 
 def _last_line(log: Path) -> str:
-    lines = _lines(log)
+    lines = [line.strip() for line in _output(log).splitlines() if line.strip()]
     return lines[-1][:300] if lines else "(no output)"
 
 
 def _last_error(log: Path) -> str:
-    for line in reversed(_lines(log)):
-        if "Error" in line or "error:" in line or "Exception" in line:
-            return line[:300]
-    return _last_line(log)
+    from gspo_ascend.selftest.launch import last_error_of
+
+    return last_error_of(_output(log))
 
 
-# run in the proof's interpreter and environment (the driver's may lack the device stack's PYTHONPATH)
+# In a process of its own: a driver that touched the device would hold its context (and memory) for the whole proof.
 DEVICE_PROBE = """
 import json, sys
 from gspo_ascend.device import get_backend
 b = get_backend(sys.argv[1])
-name = b.module().get_device_name(0) if b.torch_device_type != "cpu" else "cpu"
 count = b.device_count() if b.torch_device_type != "cpu" else 0
-print(json.dumps({"backend": b.name, "device_name": name, "device_count": count}))
+print(json.dumps({"backend": b.name, "device_name": b.device_name(), "device_count": count}))
 """
+PACKAGES = ("torch", "transformers", "ray", "megatron-core", "mbridge", "trl", "accelerate", "vllm")
 
 
 def environment(ctx: Ctx) -> dict:
     """What ran: device, versions of the stack, commit."""
-    from importlib import metadata
+    from gspo_ascend.selftest.setup import installed
 
     done = subprocess.run([ctx.python, "-c", DEVICE_PROBE, ctx.device], env=ctx.env, cwd=ctx.work, capture_output=True,
                           text=True, check=False)  # fmt: skip
     found = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {"error": done.stderr[-300:]}
-    versions = {}
-    for name in ("torch", "transformers", "ray", "megatron-core", "mbridge", "trl", "accelerate", "vllm"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+    versions = installed(PACKAGES)
     commit = os.environ.get("GSPO_PROOF_COMMIT") or _git_commit()
     return {"commit": commit, "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
             "versions": versions, **found}  # fmt: skip

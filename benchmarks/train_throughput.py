@@ -261,14 +261,6 @@ def processed_tokens(batch, engine: str, budget: int) -> tuple[int, int]:
     return sum(len(g) * max(sizes[i] for i in g) for g in plan.groups), len(plan)
 
 
-def device_name(backend) -> str:
-    if backend.name == "cpu":
-        import platform
-
-        return f"cpu ({platform.machine()})"
-    return str(backend.module().get_device_name(0))
-
-
 def attention_name(engine: str, attn: str, backend) -> str:
     """Which attention ran: megatron's depends on the device (see docs/engines.md), not on model.attn_implementation."""
     if engine == "fsdp":
@@ -380,7 +372,7 @@ def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     flops = model_flops(raw["spec"], lengths)
     tokens_per_s = tokens * len(seconds) / sum(seconds)
     tflops = flops["per_token"] * tokens_per_s / 1e12
-    name = device_name(backend)
+    name = backend.device_name()
     peak = peak_tflops(name) if backend.torch_device_type != "cpu" else None
     ratio = raw["peak"] / raw["predicted"] if raw["peak"] is not None and raw["predicted"] else None
     return {

@@ -67,6 +67,11 @@ class Backend:
         if mod is not None:
             mod.empty_cache()
 
+    def device_name(self, index: int = 0) -> str:
+        """The accelerator's name as its runtime reports it ("NVIDIA H100 80GB HBM3"); "cpu" on a host."""
+        mod = self.module()
+        return str(mod.get_device_name(index)) if mod is not None else "cpu"
+
     def memory_stats(self) -> dict[str, int]:
         """Allocated / peak / reserved bytes of this process on the current device; host RSS peak on CPU."""
         mod = self.module()

@@ -44,7 +44,12 @@ class Launch:
 
 def last_error(log: Path) -> str:
     """The last line of a log that looks like an error (a traceback's final line), else its last line."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return last_error_of(log.read_text(errors="replace"))
+
+
+def last_error_of(text: str) -> str:
+    """:func:`last_error` of some text."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         if "Error" in line or "error:" in line or "Exception" in line:
             return line[:300]

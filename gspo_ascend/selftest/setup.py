@@ -18,14 +18,19 @@ _PACKAGES = (
 )
 
 
-def versions() -> str:
-    found = []
-    for name in _PACKAGES:
+def installed(names=_PACKAGES) -> dict[str, str | None]:
+    """Each distribution's installed version, None where it is absent."""
+    found: dict[str, str | None] = {}
+    for name in names:
         try:
-            found.append(f"{name} {metadata.version(name)}")
+            found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            continue
-    return ", ".join(found)
+            found[name] = None
+    return found
+
+
+def versions() -> str:
+    return ", ".join(f"{name} {version}" for name, version in installed().items() if version)
 
 
 def describe_device(backend, devices: int) -> str:
@@ -34,7 +39,7 @@ def describe_device(backend, devices: int) -> str:
     elif backend.name == "cpu":
         what = "cpu"
     else:
-        what = f"{backend.name}: {backend.module().get_device_name(0)}, {backend.device_count()} visible"
+        what = f"{backend.name}: {backend.device_name()}, {backend.device_count()} visible"
     bf16 = "bf16 yes" if backend.is_bf16_supported() else "bf16 no"
     return f"{what}; {devices} used; {bf16}; collective backend {backend.comm_backend}; {versions()}"
 

@@ -81,6 +81,8 @@ def test_npu_with_shim_env_installs_shim(monkeypatch):
     assert torch.equal(a, torch.rand(2))
     assert backend.device_count() >= 1 and backend.is_bf16_supported()
     assert backend.memory_stats()["peak_allocated"] > 0
+    assert backend.device_name() == "Ascend910B-cpushim"  # torch_npu's get_device_name, as the shim serves it
+    assert device.CPU.device_name() == "cpu"
 
 
 def test_auto_prefers_installed_shim():

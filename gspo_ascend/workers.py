@@ -162,8 +162,10 @@ class WorkerGroup:
 
     def __init__(self, cfg: Config, backend, model_path: str, *, train: bool = True):
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .placement import check_node_local, rank_bundles
 
         self.cfg = cfg
         self.world_size = cfg.trainer.nnodes * cfg.trainer.devices_per_node
@@ -180,19 +182,28 @@ class WorkerGroup:
         remote = ray.remote(PolicyWorker)
         cfg_dict = to_dict(cfg)
         env = actor_env(cfg, backend)  # Ray merges these into the job's env_vars, set before the process starts
+        # PACK does not order bundles by node: number the ranks node by node, so that the TP / EP / rollout-TP
+        # groups (blocks of nearby ranks) stay within a node (gspo_ascend/placement.py)
+        bundle_of_rank = rank_bundles(placement_group_table(self.pg).get("bundles_to_node_id", {}), self.world_size)
         self.workers = [
             remote.options(
                 **actor_resources(bundle),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
                 **({"runtime_env": {"env_vars": env}} if env else {}),
             ).remote(cfg_dict, model_path, rank, self.world_size, threads)
-            for rank in range(self.world_size)
+            for rank, index in enumerate(bundle_of_rank)
         ]
         # fail-fast gathering: a lost rank or node is one line (ClusterError), not a wait on the survivors
         self.watch = ClusterWatch(self.workers, [], cfg.trainer.output_dir)
         self.watch.nodes = self._get([w.node.remote() for w in self.workers])
         # where each rank runs, once; on stderr, because `gspo-ascend eval` prints its table on stdout
         print(placement_line(self.watch.nodes), file=sys.stderr, flush=True)
+        try:  # where the actors really run: a node's share of ranks that a group size does not divide is one line
+            check_node_local(cfg, self.watch.nodes, train)
+        except UserError:
+            self.watch.broken = True  # nothing set up yet: kill the actors and free the bundles, then say why
+            self.shutdown()
+            raise
         addr, port = self._get([self.workers[0].address.remote()])[0]
         self._all("setup", addr, port, train)
 

@@ -223,6 +223,7 @@ def _fake_ray(captured: list[dict]) -> dict[str, types.ModuleType]:
     ray.remote = lambda cls: actor
     pg = types.ModuleType("ray.util.placement_group")
     pg.placement_group = lambda bundles, strategy: SimpleNamespace(ready=lambda: "ready")
+    pg.placement_group_table = lambda group: {"bundles_to_node_id": {}}  # no node known: rank = bundle
     strategies = types.ModuleType("ray.util.scheduling_strategies")
     strategies.PlacementGroupSchedulingStrategy = lambda *a, **k: None
     util = types.ModuleType("ray.util")

@@ -1,0 +1,145 @@
+"""Which ranks must share a node, and the rank order that keeps them together on Ray's placement.
+
+Ranks are placement-group bundles (:class:`~gspo_ascend.workers.WorkerGroup`). Ray's ``PACK`` strategy packs the
+bundles onto as few nodes as it can but promises nothing about which bundle index lands on which node, while every
+tensor-like group below is a block of nearby ranks. A group split over two nodes still works, its per-layer
+collectives just run over the network (RoCE instead of HCCS / NVLink): silently several times slower. So
+
+* :func:`rank_bundles` numbers the ranks node by node (ranks of one node consecutive, bundle 0 staying rank 0);
+* :func:`check_node_local` then takes the node each rank reports and stops with one line naming the first group
+  that still spans nodes (a node holding a share of ranks that the group sizes do not divide).
+
+The groups are those the engines really build, with the same rank arithmetic:
+
+* megatron (``actor.engine=megatron``): ``parallel_state.initialize_model_parallel`` with its default order
+  ``tp-cp-ep-dp-pp`` (we pass none): the tensor-parallel groups of the decoder ``RankGenerator(tp, ep=1, dp, pp,
+  cp)``, and the expert-parallel and expert-tensor-parallel groups of the expert ``RankGenerator(tp=etp, ep,
+  dp=world / (etp x ep x pp), pp, cp=1)`` (``get_ranks("tp")`` / ``get_ranks("ep")``); :func:`orthogonal_groups` is
+  its ``generate_masked_orthogonal_rank_groups`` (tests/unit/test_placement.py holds it to megatron-core's own);
+* fsdp (``actor.engine=fsdp``): the Ulysses sequence-parallel groups, the rows of the ``(dp, sp)`` device mesh
+  (``engines/fsdp.py`` ``_sp_group``), that is ``sp`` consecutive ranks;
+* vLLM rollout (``rollout.engine=vllm``): ``engines/vllm_rollout.py`` :func:`rollout_tp_groups`, ``tp`` consecutive
+  ranks.
+
+How we differ from verl: verl also relies on PACK's bundle order for its TP groups and does not check it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from .config import Config
+from .errors import UserError
+
+ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default `order`, which engines/megatron.py leaves as it is
+
+
+class Split(NamedTuple):
+    """A group that spans nodes: what it is (``what``, the config ``key`` sizing it) and its ranks."""
+
+    what: str
+    key: str
+    ranks: list[int]
+
+
+def orthogonal_groups(sizes: Sequence[int], mask: Sequence[bool]) -> list[list[int]]:
+    """Megatron-core's ``generate_masked_orthogonal_rank_groups``: a rank is the mixed-radix number of its
+    per-dimension indices (first dimension fastest); one group per combination of the unmasked dimensions, holding
+    every combination of the masked ones, both enumerated first-dimension-fastest."""
+    strides = [1]
+    for size in sizes[:-1]:
+        strides.append(strides[-1] * size)
+
+    def offsets(dims: list[int]) -> list[int]:
+        out = [0]
+        for d in dims:  # later dimensions vary slower: they are the outer loop of each extension
+            out = [o + i * strides[d] for i in range(sizes[d]) for o in out]
+        return out
+
+    inner = offsets([d for d, m in enumerate(mask) if m])
+    return [[o + i for i in inner] for o in offsets([d for d, m in enumerate(mask) if not m])]
+
+
+def megatron_groups(sizes: Mapping[str, int], token: str, order: str = ORDER) -> list[list[int]]:
+    """``RankGenerator(**sizes, order=order).get_ranks(token)`` for a single-dimension ``token``."""
+    names = order.split("-")
+    return orthogonal_groups([sizes[n] for n in names], [n == token for n in names])
+
+
+def node_local_groups(cfg: Config, world: int, train: bool = True) -> list[tuple[str, str, list[list[int]]]]:
+    """(what, config key, groups) for every group of more than one rank that must lie within one node. A layout
+    the sizes do not divide is left out: the engine building it names that problem itself."""
+    a, out = cfg.actor, []
+    if train and a.engine == "megatron":
+        tp, pp, cp, ep, etp = (
+            a.tensor_parallel_size,
+            a.pipeline_parallel_size,
+            a.context_parallel_size,
+            a.expert_parallel_size,
+            a.expert_tensor_parallel_size,
+        )
+        if world % (tp * pp * cp) == 0:
+            dense = {"tp": tp, "cp": cp, "ep": 1, "dp": world // (tp * pp * cp), "pp": pp}
+            out.append(("megatron tensor-parallel", "actor.tensor_parallel_size", megatron_groups(dense, "tp")))
+        if world % (etp * ep * pp) == 0:
+            expert = {"tp": etp, "cp": 1, "ep": ep, "dp": world // (etp * ep * pp), "pp": pp}
+            out.append(("megatron expert-parallel", "actor.expert_parallel_size", megatron_groups(expert, "ep")))
+            key = "actor.expert_tensor_parallel_size"
+            out.append(("megatron expert-tensor-parallel", key, megatron_groups(expert, "tp")))
+    sp = a.ulysses_sequence_parallel_size
+    if train and a.engine == "fsdp" and world % sp == 0:
+        key = "actor.ulysses_sequence_parallel_size"
+        out.append(("Ulysses sequence-parallel", key, [list(range(g, g + sp)) for g in range(0, world, sp)]))
+    rollout_tp = cfg.rollout.tensor_parallel_size
+    if cfg.rollout.engine == "vllm" and world % rollout_tp == 0:
+        from .engines.vllm_rollout import rollout_tp_groups  # imports torch: only when a run starts
+
+        out.append(
+            ("vLLM rollout tensor-parallel", "rollout.tensor_parallel_size", rollout_tp_groups(world, rollout_tp))
+        )
+    return [(what, key, groups) for what, key, groups in out if groups and len(groups[0]) > 1]
+
+
+def find_split(cfg: Config, nodes: Sequence[str], train: bool = True) -> Split | None:
+    """The first group (of :func:`node_local_groups`) whose ranks are on more than one node, or None.
+    ``nodes[r]`` is the node of rank r."""
+    if len(set(nodes)) <= 1:
+        return None
+    for what, key, groups in node_local_groups(cfg, len(nodes), train):
+        for ranks in groups:
+            if len({nodes[r] for r in ranks}) > 1:
+                return Split(what, key, ranks)
+    return None
+
+
+def rank_bundles(bundle_nodes: Mapping[int, str], world: int) -> list[int]:
+    """The placement bundle of each rank: bundles grouped by node, nodes in the order of their lowest bundle, and
+    bundle order within a node. A placement whose nodes already hold consecutive bundles keeps rank = bundle.
+    Bundles Ray did not report a node for keep their index order, after the others."""
+    first: dict[str, int] = {}
+    for b in sorted(bundle_nodes):
+        first.setdefault(bundle_nodes[b], b)
+    known = sorted((b for b in range(world) if b in bundle_nodes), key=lambda b: (first[bundle_nodes[b]], b))
+    return known + [b for b in range(world) if b not in bundle_nodes]
+
+
+def check_node_local(cfg: Config, nodes: Sequence[tuple[str, str]], train: bool = True) -> None:
+    """Raise one :class:`UserError` line when a group of :func:`node_local_groups` spans nodes; ``nodes[r]`` is
+    rank r's (node id, address), as :func:`~gspo_ascend.cluster.this_node` reports it."""
+    split = find_split(cfg, [node for node, _ in nodes], train)
+    if split is None:
+        return
+    where: dict[tuple[str, str], list[int]] = {}
+    for r in split.ranks:
+        where.setdefault(nodes[r], []).append(r)
+    parts = "; ".join(f"rank(s) {', '.join(map(str, rs))} on node {n[:8]} ({ip})" for (n, ip), rs in where.items())
+    held = ", ".join(f"{n[:8]}: {sum(1 for m, _ in nodes if m == n)}" for n, _ in where)
+    t = cfg.trainer
+    raise UserError(
+        f"placement: the {split.what} group of ranks {split.ranks} spans {len(where)} nodes ({parts}), so its "
+        f"collectives would cross the network (this job's ranks per node: {held}). Give "
+        f"every node exactly trainer.devices_per_node ({t.devices_per_node}) free devices for this job (no other job "
+        f"holding some, each node's Ray resources matching) with {split.key} ({len(split.ranks)}) dividing it, or "
+        f"lower {split.key}"
+    )

@@ -1,0 +1,261 @@
+"""Placement checked (issue 25, item 4): tensor-like groups lie within one node whatever bundle order Ray's PACK
+gives (gspo_ascend/placement.py, WorkerGroup.__init__). The group arithmetic is held to megatron-core's own
+RankGenerator and to the rollout engine's rollout_tp_groups; the 2-node Ray run is tests/e2e/test_multinode.py."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from gspo_ascend.config import load_config
+from gspo_ascend.errors import UserError
+from gspo_ascend.placement import (
+    ORDER,
+    check_node_local,
+    find_split,
+    node_local_groups,
+    orthogonal_groups,
+    rank_bundles,
+)
+from tests.conftest import REPO
+
+A, B = "a" * 56, "b" * 56
+NODES = {A: (A, "10.0.0.1"), B: (B, "10.0.0.2")}
+LAYOUT_30B = REPO / "configs/qwen3_30b_a3b_gspo.yaml"
+
+
+def _cfg(**overrides):
+    return load_config(overrides=[f"{k}={v}" for k, v in overrides.items()])
+
+
+def _megatron(tp=1, pp=1, cp=1, ep=1, etp=1, nnodes=2, per_node=8):
+    return _cfg(
+        **{
+            "actor.engine": "megatron",
+            "actor.tensor_parallel_size": tp,
+            "actor.pipeline_parallel_size": pp,
+            "actor.context_parallel_size": cp,
+            "actor.expert_parallel_size": ep,
+            "actor.expert_tensor_parallel_size": etp,
+            "trainer.nnodes": nnodes,
+            "trainer.devices_per_node": per_node,
+        }
+    )
+
+
+# ------------------------------------------------------------------------------------ held to megatron-core
+
+
+def test_orthogonal_groups_are_megatron_cores():
+    ps = pytest.importorskip("megatron.core.parallel_state")
+    for sizes in ([2, 1, 4, 2, 2], [4, 2, 1, 1, 2], [1, 3, 2, 1, 4], [2, 2, 2, 2, 1]):
+        world = 1
+        for s in sizes:
+            world *= s
+        for mask in itertools.product([False, True], repeat=len(sizes)):
+            expected = ps.generate_masked_orthogonal_rank_groups(world, list(sizes), list(mask))
+            assert orthogonal_groups(sizes, mask) == expected, (sizes, mask)
+
+
+LAYOUTS = [  # (tp, pp, cp, ep, etp, world)
+    (4, 2, 1, 8, 1, 16),  # the shipped 30B layout
+    (2, 1, 1, 1, 1, 8),
+    (2, 2, 2, 1, 1, 16),
+    (1, 2, 1, 4, 2, 16),
+    (2, 2, 1, 2, 2, 16),
+    (8, 1, 1, 2, 4, 32),
+    (4, 4, 1, 8, 1, 32),
+    (2, 1, 4, 4, 1, 16),
+]
+
+
+@pytest.mark.parametrize("tp,pp,cp,ep,etp,world", LAYOUTS)
+def test_groups_are_those_initialize_model_parallel_builds(tp, pp, cp, ep, etp, world):
+    """Built as initialize_model_parallel builds its two generators (megatron-core 0.16.1, parallel_state.py:775-807):
+    TENSOR_MODEL_PARALLEL_GROUP = decoder get_ranks('tp') (:1019), EXPERT_MODEL_PARALLEL_GROUP = expert
+    get_ranks('ep') (:1189), EXPERT_TENSOR_PARALLEL_GROUP = expert get_ranks('tp') (:1205)."""
+    ps = pytest.importorskip("megatron.core.parallel_state")
+    assert inspect.signature(ps.initialize_model_parallel).parameters["order"].default == ORDER
+    dense = ps.RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=ORDER)
+    expert = ps.RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=ORDER)
+    expected = {
+        "actor.tensor_parallel_size": dense.get_ranks("tp"),
+        "actor.expert_parallel_size": expert.get_ranks("ep"),
+        "actor.expert_tensor_parallel_size": expert.get_ranks("tp"),
+    }
+    cfg = _megatron(tp, pp, cp, ep, etp, nnodes=world // 8, per_node=8)
+    got = {key: groups for _, key, groups in node_local_groups(cfg, world)}
+    assert got == {key: groups for key, groups in expected.items() if len(groups[0]) > 1}
+
+
+def test_the_megatron_engine_keeps_the_default_order():
+    """The order above is megatron-core's default only if our engine passes none."""
+    pytest.importorskip("megatron.core")
+    from gspo_ascend.engines.megatron import MegatronEngine
+
+    source = inspect.getsource(MegatronEngine._init_parallel_state)
+    assert "initialize_model_parallel(" in source and "order" not in source
+
+
+def test_rollout_and_ulysses_groups_are_the_engines():
+    from gspo_ascend.engines.vllm_rollout import rollout_tp_groups
+
+    cfg = _cfg(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 4, "trainer.devices_per_node": 8})
+    assert node_local_groups(cfg, 8) == [
+        ("vLLM rollout tensor-parallel", "rollout.tensor_parallel_size", rollout_tp_groups(8, 4))
+    ]
+    cfg = _cfg(**{"actor.ulysses_sequence_parallel_size": 2, "trainer.devices_per_node": 4})
+    assert node_local_groups(cfg, 4) == [
+        ("Ulysses sequence-parallel", "actor.ulysses_sequence_parallel_size", [[0, 1], [2, 3]])
+    ]
+    assert node_local_groups(cfg, 4, train=False) == []  # `gspo-ascend eval`: no train engine, no SP groups
+
+
+# --------------------------------------------------------------------------------------- ordering, checking
+
+
+def test_interleaved_pack_is_ordered_node_by_node():
+    """PACK gave bundles A, B, A, B, ...: as bundle = rank (the old WorkerGroup) every TP 2 group spans both nodes;
+    numbered node by node, none does."""
+    cfg = _megatron(tp=2, nnodes=2, per_node=4)
+    bundle_nodes = {b: (A, B)[b % 2] for b in range(8)}
+    as_placed = [bundle_nodes[b] for b in range(8)]
+    assert find_split(cfg, as_placed) == ("megatron tensor-parallel", "actor.tensor_parallel_size", [0, 1])
+    order = rank_bundles(bundle_nodes, 8)
+    assert order == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert find_split(cfg, [bundle_nodes[b] for b in order]) is None
+
+
+def test_ordering_keeps_a_good_placement_and_unknown_bundles():
+    assert rank_bundles({b: (A, B)[b >= 4] for b in range(8)}, 8) == list(range(8))
+    assert rank_bundles({0: B, 1: A, 2: B, 3: A}, 4) == [0, 2, 1, 3]  # bundle 0 stays rank 0
+    assert rank_bundles({0: A, 2: A}, 4) == [0, 2, 1, 3]
+    assert rank_bundles({}, 3) == [0, 1, 2]
+
+
+def test_split_group_is_one_line_naming_group_ranks_nodes_and_fix():
+    cfg = _megatron(tp=2, nnodes=2, per_node=4)
+    with pytest.raises(UserError) as info:
+        check_node_local(cfg, [NODES[(A, B)[r % 2]] for r in range(8)])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("placement: the megatron tensor-parallel group of ranks [0, 1] spans 2 nodes")
+    assert "rank(s) 0 on node aaaaaaaa (10.0.0.1); rank(s) 1 on node bbbbbbbb (10.0.0.2)" in message
+    assert "trainer.devices_per_node (4)" in message and "actor.tensor_parallel_size (2)" in message
+
+
+def test_shipped_30b_layout():
+    """TP 4 x PP 2 x EP 8, rollout TP 4 on 2 x 8: node by node passes; one swapped rank pair, or two swapped TP
+    blocks (TP and rollout TP still within a node), does not."""
+    cfg = load_config(LAYOUT_30B)
+    assert (cfg.trainer.nnodes, cfg.trainer.devices_per_node) == (2, 8)
+    good = [NODES[A]] * 8 + [NODES[B]] * 8
+    check_node_local(cfg, good)
+    swapped = list(good)
+    swapped[3], swapped[8] = swapped[8], swapped[3]
+    assert find_split(cfg, [n for n, _ in swapped]) == (
+        "megatron tensor-parallel",
+        "actor.tensor_parallel_size",
+        [0, 1, 2, 3],
+    )
+    with pytest.raises(UserError, match=r"tensor-parallel group of ranks \[0, 1, 2, 3\] spans 2 nodes"):
+        check_node_local(cfg, swapped)
+    blocks = [NODES[A]] * 4 + [NODES[B]] * 4 + [NODES[A]] * 4 + [NODES[B]] * 4
+    split = find_split(cfg, [n for n, _ in blocks])
+    assert split == ("megatron expert-parallel", "actor.expert_parallel_size", list(range(8)))
+    # rollout only (`gspo-ascend eval`): the megatron groups do not exist, rollout TP 4 blocks are within nodes
+    assert find_split(cfg, [n for n, _ in blocks], train=False) is None
+
+
+def test_one_node_needs_no_check():
+    assert find_split(_megatron(tp=8, nnodes=1, per_node=8), [A] * 8) is None
+
+
+# ------------------------------------------------------------------------------------- WorkerGroup itself
+
+
+class _Ref:
+    def __init__(self, value):
+        self.value = value
+
+
+def _fake_ray(bundle_nodes: dict[int, str], scheduled: list[int]) -> dict[str, types.ModuleType]:
+    """The Ray calls WorkerGroup.__init__ makes; each actor reports the node of the bundle it was scheduled in."""
+
+    def actor(node_ip):
+        return SimpleNamespace(
+            node=SimpleNamespace(remote=lambda: _Ref(node_ip)),
+            address=SimpleNamespace(remote=lambda: _Ref(("127.0.0.1", 1))),
+            setup=SimpleNamespace(remote=lambda *a: _Ref(None)),
+        )
+
+    def options(scheduling_strategy, **_):
+        scheduled.append(scheduling_strategy)
+        return SimpleNamespace(remote=lambda *a: actor(NODES[bundle_nodes[scheduling_strategy]]))
+
+    ray = types.ModuleType("ray")
+    ray.is_initialized = lambda: True
+    ray.cluster_resources = lambda: {"CPU": 8.0}
+    ray.wait = lambda refs, timeout, num_returns=1: (refs, [])
+    ray.get = lambda ref: [r.value for r in ref] if isinstance(ref, list) else ref.value
+    ray.remote = lambda cls: SimpleNamespace(options=options)
+    ray.kill = lambda actor: None
+    exceptions = types.ModuleType("ray.exceptions")
+    exceptions.RayActorError = type("RayActorError", (Exception,), {})
+    pg = types.ModuleType("ray.util.placement_group")
+    pg.placement_group = lambda bundles, strategy: SimpleNamespace(ready=lambda: "ready")
+    pg.placement_group_table = lambda group: {"bundles_to_node_id": dict(bundle_nodes)}
+    pg.remove_placement_group = lambda group: scheduled.append("removed")
+    strategies = types.ModuleType("ray.util.scheduling_strategies")
+    strategies.PlacementGroupSchedulingStrategy = lambda group, placement_group_bundle_index: (
+        placement_group_bundle_index
+    )
+    util = types.ModuleType("ray.util")
+    return {
+        "ray": ray,
+        "ray.exceptions": exceptions,
+        "ray.util": util,
+        "ray.util.placement_group": pg,
+        "ray.util.scheduling_strategies": strategies,
+    }
+
+
+def _worker_group(monkeypatch, tmp_path, bundle_nodes, **overrides):
+    from gspo_ascend.device import CPU
+    from gspo_ascend.workers import WorkerGroup
+
+    scheduled: list = []
+    for name, module in _fake_ray(bundle_nodes, scheduled).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cfg = _cfg(**{"trainer.output_dir": str(tmp_path), **overrides})
+    try:
+        return WorkerGroup(cfg, CPU, str(tmp_path)), scheduled
+    except UserError as exc:
+        return exc, scheduled
+
+
+def test_worker_group_numbers_ranks_node_by_node(monkeypatch, tmp_path, capsys):
+    """Interleaved bundles, megatron TP 2 on 2 x 4: rank r runs in a bundle of node A for r < 4 (on the old main,
+    rank r ran in bundle r and its TP groups spanned both nodes)."""
+    layout = {"actor.engine": "megatron", "actor.tensor_parallel_size": 2}
+    layout.update({"trainer.nnodes": 2, "trainer.devices_per_node": 4})
+    group, scheduled = _worker_group(monkeypatch, tmp_path, {b: (A, B)[b % 2] for b in range(8)}, **layout)
+    assert scheduled == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert [n for n, _ in group.watch.nodes] == [A] * 4 + [B] * 4
+    assert "rank 3 on node aaaaaaaa" in capsys.readouterr().err
+
+
+def test_worker_group_stops_on_a_group_ordering_cannot_save(monkeypatch, tmp_path):
+    """Node A holds 3 of the 8 ranks (another job holds its fourth device): rollout TP 2 group [2, 3] spans nodes."""
+    layout = {"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2, "rollout.enforce_eager": "null"}
+    layout.update({"trainer.nnodes": 2, "trainer.devices_per_node": 4})
+    bundle_nodes = {b: A if b < 3 else B for b in range(8)}
+    error, scheduled = _worker_group(monkeypatch, tmp_path, bundle_nodes, **layout)
+    assert isinstance(error, UserError), error
+    assert "vLLM rollout tensor-parallel group of ranks [2, 3] spans 2 nodes" in str(error)
+    assert scheduled[-1] == "removed"  # the actors' bundles are given back before the error is raised

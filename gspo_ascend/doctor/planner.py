@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field
 
+from ..megatron_settings import grad_bytes_per_param
 from .hardware import Profile
 from .modelspec import ModelSpec
 from .preflight import RULES, layout
@@ -54,10 +55,12 @@ class Plan:
     layout: str
     train: Phase
     rollout: Phase
+    sync: Phase
     kv_tokens: int
     kv_sequences: float
     train_verdict: str
     rollout_verdict: str
+    sync_verdict: str
     verdict: str
     score: float
     variants: dict[str, dict[str, int]]
@@ -66,7 +69,8 @@ class Plan:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out["train"]["total"], out["rollout"]["total"] = self.train.total, self.rollout.total
+        for phase in ("train", "rollout", "sync"):
+            out[phase]["total"] = getattr(self, phase).total
         return out
 
 
@@ -167,7 +171,7 @@ def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
     inflight = max(min(lay.pp - stage, n_micro), 1)
     parts = {
         "weights": e * (dense + experts),
-        "gradients": e * (dense + experts),
+        "gradients": grad_bytes_per_param(e, distributed) * (dense + experts),
         "optimizer": optimizer,
         "activations": activations(cfg, spec, layers, lay.tp, inflight),
         "logits": logits_bytes(cfg, spec, lay.tp) if last else 0,
@@ -175,6 +179,7 @@ def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
     shard = f"/ DP x CP {lay.dp * lay.cp} (experts / expert-DP {lay.edp})" if distributed else "not sharded"
     notes = {
         "weights": f"{dense:,} dense + {experts:,} expert params on this device",
+        "gradients": f"{grad_bytes_per_param(e, distributed)} B/param (fp32: the engine's DDP setting)",
         "optimizer": f"{opt} B/param {shard}",
         "activations": f"{len(layers)} layers x {inflight} micro-batch(es) of {micro_tokens(cfg)} tokens, "
         f"recompute {recompute_mode(cfg)}, {FUSED_ATTENTION_NOTE}",
@@ -262,6 +267,33 @@ def rollout_phase(cfg, spec: ModelSpec, hbm_bytes: int, train: Phase) -> tuple[P
     return phase, max(kv_cache, 0) // kv_bytes_per_token(cfg, spec)
 
 
+def export_bytes(cfg, spec: ModelSpec) -> int:
+    """The export's largest transient on the device, an upper bound. megatron: mbridge gathers one tensor at a time
+    (TP / EP shards); our HFLayout fuses a layer's experts into transformers' [E, ...] tensors, so a layer's experts
+    are there twice (gathered and fused), or the full embedding. fsdp: one full tensor, gathered (fp32) and cast."""
+    e = ELEMENT_BYTES[cfg.model.dtype]
+    experts = max(spec.expert_params(i) for i in range(spec.layers))
+    if cfg.actor.engine == "fsdp":
+        return (4 + e) * max(spec.embedding_params, experts)
+    return e * max(2 * experts, spec.embedding_params)
+
+
+def sync_phase(cfg, spec: ModelSpec, train: Phase) -> Phase:
+    """The weight sync (workers.PolicyWorker.sync_weights): the rollout engine's weights woken, its KV cache still
+    asleep; the train engine's parameters brought up for the export (with actor.offload; without it, its whole
+    state stays), and the export's transient."""
+    kept = train.parts["weights"] if cfg.actor.offload else static_bytes(train)
+    parts = {"actor state": kept, "export": export_bytes(cfg, spec), "rollout": rollout_weights(cfg, spec)}
+    notes = {
+        "actor state": "parameters only (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer",
+        "export": "a layer's experts gathered + fused, or the full embedding"
+        if cfg.actor.engine == "megatron"
+        else "one full tensor, fp32 + cast",
+        "rollout": "the rollout engine's weights, woken; its KV cache stays asleep until the sync is done",
+    }
+    return Phase("sync", "every device", parts, notes)
+
+
 # ----------------------------------------------------------------------------------------------- verdicts
 
 
@@ -269,8 +301,9 @@ def _verdict(pressure: float) -> str:
     return "fits" if pressure <= 1 else "tight" if pressure <= 1 / FITS_FRACTION else "OOM"
 
 
-def _pressures(cfg, train: Phase, rollout: Phase, kv_tokens: int, usable: int) -> tuple[float, float, float]:
-    """Each 1.0 at the edge of 'fits'; the KV term needs room for min(sequences per engine, 32) sequences."""
+def _pressures(cfg, train: Phase, rollout: Phase, sync: Phase, kv_tokens: int, usable: int) -> tuple[float, ...]:
+    """Training, rollout, KV and sync pressures, each 1.0 at the edge of 'fits'; the KV term needs room for
+    min(sequences per engine, 32) sequences."""
     lay = layout(cfg)
     engines = max(lay.world // cfg.rollout.tensor_parallel_size, 1)
     wanted = min(cfg.data.train_batch_size * cfg.rollout.n / engines, MIN_CONCURRENT_SEQUENCES)
@@ -278,14 +311,15 @@ def _pressures(cfg, train: Phase, rollout: Phase, kv_tokens: int, usable: int) -
     if kv_tokens < seq_len(cfg):  # vLLM refuses to start: max_model_len does not fit the KV cache
         kv_need = max(kv_need, 1 / FITS_FRACTION + 1)
     fits = FITS_FRACTION * usable
-    return train.total / fits, rollout.total / fits, kv_need
+    return train.total / fits, rollout.total / fits, kv_need, sync.total / fits
 
 
 def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
     usable = (hw.hbm_mib - hw.reserved_mib) * 2**20
     train = train_phase(cfg, spec)
     rollout, kv_tokens = rollout_phase(cfg, spec, hw.hbm_mib * 2**20, train)
-    p_train, p_roll, p_kv = _pressures(cfg, train, rollout, kv_tokens, usable)
+    sync = sync_phase(cfg, spec, train)
+    p_train, p_roll, p_kv, p_sync = _pressures(cfg, train, rollout, sync, kv_tokens, usable)
     lay = layout(cfg)
     kind = f"MoE, {spec.active_params / 1e9:.2f}B active" if spec.is_moe else "dense"
     desc = (
@@ -300,12 +334,14 @@ def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
         layout=desc,
         train=train,
         rollout=rollout,
+        sync=sync,
         kv_tokens=kv_tokens,
         kv_sequences=kv_tokens / seq_len(cfg),
         train_verdict=_verdict(p_train),
         rollout_verdict=_verdict(max(p_roll, p_kv)),
-        verdict=_verdict(max(p_train, p_roll, p_kv)),
-        score=max(p_train, p_roll, p_kv),
+        sync_verdict=_verdict(p_sync),
+        verdict=_verdict(max(p_train, p_roll, p_kv, p_sync)),
+        score=max(p_train, p_roll, p_kv, p_sync),
         variants={},
         spec_note=spec.note,
     )
@@ -385,7 +421,9 @@ def best_knobs(cfg, spec: ModelSpec, hw: Profile, base: Plan, count: int = 3) ->
         if after.score < base.score - 1e-9:
             section, name = dotted.split(".")
             old = getattr(getattr(cfg, section), name)
-            total = sum(_pressures(candidate, after.train, after.rollout, after.kv_tokens, after.usable_bytes))
+            total = sum(
+                _pressures(candidate, after.train, after.rollout, after.sync, after.kv_tokens, after.usable_bytes)
+            )
             found.append(
                 Knob(dotted, old, value, after.score, total, after.train.total / GIB, after.rollout.total / GIB)
             )
@@ -428,14 +466,15 @@ def render_text(p: Plan) -> str:
     lines = [f"gspo-ascend plan: {p.model}"]
     lines += [f"note: {p.spec_note}"] if p.spec_note else []
     lines += [f"hardware: {p.hardware}", f"layout: {p.layout}", ""]
-    for phase, verdict in ((p.train, p.train_verdict), (p.rollout, p.rollout_verdict)):
+    for phase, verdict in ((p.train, p.train_verdict), (p.rollout, p.rollout_verdict), (p.sync, p.sync_verdict)):
         lines.append(f"{phase.name} ({phase.where}), GiB per device:")
         for name, value in phase.parts.items():
             note = phase.notes.get(name, "")
             lines.append(f"  {name:<12}{_gib(value)}" + (f"   {note}" if note else ""))
         share = 100 * phase.total / p.usable_bytes
         lines.append(f"  {'total':<12}{_gib(phase.total)}   {verdict} ({share:.0f}% of usable)")
-    lines.append(f"  KV cache holds {p.kv_tokens:,} tokens = {p.kv_sequences:.1f} full-length sequences")
+        if phase is p.rollout:
+            lines.append(f"  KV cache holds {p.kv_tokens:,} tokens = {p.kv_sequences:.1f} full-length sequences")
     for what, values in p.variants.items():
         lines.append(f"  {what}: " + ", ".join(f"{k} -> {v / GIB:.2f} GiB" for k, v in values.items()))
     lines += ["", f"verdict: {p.verdict}"]

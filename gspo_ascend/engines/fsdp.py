@@ -60,6 +60,8 @@ from gspo_ascend.engines.train_common import (
 )
 from gspo_ascend.errors import ConfigError, UserError
 
+# what actor.offload moves, each on its own (FSDPEngine._resident): the policy, the reference policy, AdamW state
+FSDP_PARTS = ("params", "ref", "optimizer")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _MEGATRON_ONLY_SIZES = (
     "tensor_parallel_size",
@@ -109,9 +111,10 @@ class FSDPEngine:
         host = backend.torch_device_type == "cpu"
         self._onload_to: dict[str, Any] = {"device": self.device}
         self._offload_to: dict[str, Any] | None = None if host or not a.offload else {"device": torch.device("cpu")}
-        self._resident_depth = 0
+        self._on_device = set(FSDP_PARTS)  # built there
         if self._offload_to is not None:
-            self._place(self._offload_to)
+            for part in FSDP_PARTS:
+                self._place(part, device=False)
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -186,29 +189,50 @@ class FSDPEngine:
         return abs(out.item() - mean) < 1e-6
 
     @contextlib.contextmanager
-    def _resident(self):
-        """Weights and optimizer state on the device for the duration (re-entrant); back to the host after."""
-        outer = self._resident_depth == 0 and self._offload_to is not None
-        if outer:
-            self._place(self._onload_to)
-        self._resident_depth += 1
+    def _resident(self, parts: tuple[str, ...] = FSDP_PARTS):
+        """``parts`` (FSDP_PARTS) on the device for the duration; back to the host after. A weight export needs
+        only the policy's parameters; compute needs all. Re-entrant: what an outer call brought stays."""
+        brought = () if self._offload_to is None else tuple(p for p in parts if p not in self._on_device)
+        for part in brought:
+            self._place(part, device=True)
         try:
             yield
         finally:
-            self._resident_depth -= 1
-            if outer:
-                self._place(self._offload_to)
+            for part in brought:
+                self._place(part, device=False)
+            if brought:
                 self.backend.empty_cache()
 
-    def _place(self, where: dict[str, Any]) -> None:
-        # FSDP2 re-registers sharded params after Module.to (same Parameter objects: the optimizer stays valid)
-        for model in (self.model, self.ref_model):
+    def _tensors(self, part: str) -> list[torch.Tensor]:
+        if part == "optimizer":  # AdamW keeps "step" on the host anyway
+            return [
+                v for s in self.optimizer.state.values() for k, v in s.items() if k != "step" and torch.is_tensor(v)
+            ]
+        model = self.model if part == "params" else self.ref_model
+        return [] if model is None else [*model.parameters(), *model.buffers()]
+
+    def _place(self, part: str, *, device: bool) -> None:
+        where = self._onload_to if device else self._offload_to
+        if part == "optimizer":
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if key != "step" and torch.is_tensor(value):
+                        state[key] = value.to(**where)
+        else:  # FSDP2 re-registers sharded params after Module.to (same Parameter objects: the optimizer stays valid)
+            model = self.model if part == "params" else self.ref_model
             if model is not None:
                 model.to(**where)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if key != "step" and torch.is_tensor(value):  # AdamW keeps "step" on the host anyway
-                    state[key] = value.to(**where)
+        if device:
+            self._on_device.add(part)
+        else:
+            self._on_device.discard(part)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of each part on the device now: bookkeeping of which parts were brought up (on a CPU host and
+        device are one memory), times the parts' tensor bytes."""
+        return {
+            p: sum(t.numel() * t.element_size() for t in self._tensors(p)) * (p in self._on_device) for p in FSDP_PARTS
+        }
 
     def close(self) -> None:
         """Tear down the process group if this engine created it (a standalone engine)."""
@@ -347,7 +371,7 @@ class FSDPEngine:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter and persistent buffer under its HF state_dict name, full, in the compute dtype
         (what a rollout engine runs), on this rank's device. Collective: every rank must iterate to the end."""
-        with self._resident():
+        with self._resident(("params",)):
             for name, tensor in self.model.state_dict().items():
                 full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                 full = full.detach()

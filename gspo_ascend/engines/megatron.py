@@ -106,6 +106,7 @@ from gspo_ascend.engines.megatron_compat import (
     patch_megatron_core,
     uses_decoupled_grads,
 )
+from gspo_ascend.engines.megatron_offload import OFFLOAD_PARTS, Offload, offload_parts
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
     MinibatchRecord,
@@ -118,6 +119,7 @@ from gspo_ascend.engines.train_common import (
     warmup_factor,
 )
 from gspo_ascend.errors import ConfigError, UserError
+from gspo_ascend.megatron_settings import ddp_config
 
 log = logging.getLogger(__name__)
 
@@ -392,10 +394,9 @@ class MegatronEngine:
         self.seq_multiple = self.tp if self.tconfig.sequence_parallel else 1
         self.optimizer_steps = 0  # the warm-up schedule's position (skipped steps do not advance it)
         self.nan_steps_total = 0
-        self._offload = _Offload(self) if (force_offload or not on_cpu) and cfg.actor.offload else None
-        self._resident_depth = 0
+        self._offload = Offload(self) if (force_offload or not on_cpu) and cfg.actor.offload else None
         if self._offload is not None:
-            self._offload.to_host()
+            self._offload.to_host(OFFLOAD_PARTS)
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -448,12 +449,7 @@ class MegatronEngine:
 
     def _build_models(self, trainable: bool) -> list[torch.nn.Module]:
         a = self.cfg.actor
-        ddp = {
-            "grad_reduce_in_fp32": True,
-            "use_distributed_optimizer": a.use_distributed_optimizer,
-            "overlap_grad_reduce": False,
-            "average_in_collective": False,
-        }
+        ddp = ddp_config(a.use_distributed_optimizer)  # the planner sizes gradients from the same settings
         models = self.bridge.get_model(
             bf16=self.compute_dtype == torch.bfloat16,
             wrap_with_ddp=trainable,
@@ -500,19 +496,23 @@ class MegatronEngine:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     @contextlib.contextmanager
-    def _resident(self):
-        """Weights, gradient buffers and optimizer state on the device for the duration (re-entrant)."""
-        outer = self._resident_depth == 0 and self._offload is not None
-        if outer:
-            self._offload.to_device()
-        self._resident_depth += 1
+    def _resident(self, parts: tuple[str, ...] = OFFLOAD_PARTS):
+        """``parts`` of the offloaded state on the device for the duration: all of it for compute, only the
+        parameters for a weight export (the sync runs beside the rollout engine's weights; the gradient buffers
+        and optimizer state would double the sync's peak). Re-entrant: what an outer call brought stays."""
+        brought = () if self._offload is None else self._offload.to_device(parts)
         try:
             yield
         finally:
-            self._resident_depth -= 1
-            if outer:
-                self._offload.to_host()
+            if brought:
+                self._offload.to_host(brought)
                 self.backend.empty_cache()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of each offloadable part on the device now (every part when actor.offload is off)."""
+        if self._offload is None:
+            return {part: sum(t.untyped_storage().nbytes() for t in ts) for part, ts in offload_parts(self).items()}
+        return self._offload.resident_bytes()
 
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group if this engine created them."""
@@ -713,7 +713,7 @@ class MegatronEngine:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of the HF ``state_dict``, full (TP / EP shards gathered, PP stages broadcast), in the
         compute dtype, on this rank's device. Collective: every rank must iterate to the end."""
-        with self._resident():
+        with self._resident(("params",)):
             stream = self.bridge.export_weights([self._view(m) for m in self.models])
             for name, tensor in self.layout.convert(stream):
                 yield name, tensor.detach().to(self.compute_dtype).contiguous()
@@ -810,63 +810,3 @@ class MegatronEngine:
         if state["device_rng"] is not None:
             self.backend.module().set_rng_state(state["device_rng"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker_rng"])
-
-
-class _Offload:
-    """actor.offload: model weights, gradient buffers and optimizer state to host memory between calls.
-
-    Megatron's DDP keeps parameters and gradients as views into flat buffers; freeing a buffer's storage
-    (``resize_(0)``) and re-growing it later keeps every view valid, so only the flat buffers move. Parameters
-    outside such buffers, float32 main weights and optimizer state move with ``.data``. Gradients are not copied
-    back (every update starts by zeroing them)."""
-
-    def __init__(self, engine: MegatronEngine) -> None:
-        self.engine = engine
-        self.host: list[torch.Tensor] = []  # host copies of the parameter buffers, in _buffers() order
-        self.sizes: list[int] = []  # storage bytes of every buffer, in _buffers() order
-
-    def _buffers(self) -> list[tuple[torch.Tensor, bool]]:
-        """(flat buffer, holds parameters) for every DDP buffer; grads first so they never clobber parameters
-        that share a storage with them."""
-        grads, params = [], []
-        for model in self.engine.models:
-            for buffer in getattr(model, "buffers", []) + getattr(model, "expert_parallel_buffers", []):
-                grads.append((buffer.grad_data, False))
-                if buffer.param_data is not None:
-                    params.append((buffer.param_data, True))
-        return grads + params
-
-    def _loose_tensors(self) -> Iterator[torch.Tensor]:
-        """Tensors with storage of their own: parameters outside the buffers (no distributed optimizer), float32
-        main weights (bf16 runs; fp32 shards are views and skipped), optimizer state."""
-        for model in self.engine.models:
-            for buffer in getattr(model, "buffers", []) + getattr(model, "expert_parallel_buffers", []):
-                if buffer.param_data is None:
-                    yield from buffer.params
-        for sub in self.engine._sub_optimizers():
-            yield from (p for g in sub.optimizer.param_groups for p in g["params"] if p._base is None)
-            for state in sub.optimizer.state.values():
-                yield from (v for k, v in state.items() if torch.is_tensor(v) and k != "step")
-
-    def to_host(self) -> None:
-        host = torch.device("cpu")
-        buffers = self._buffers()
-        self.host = [t.detach().to(host, copy=True) for t, keep in buffers if keep]
-        self.sizes = [t.untyped_storage().nbytes() for t, _ in buffers]
-        for tensor, _ in buffers:
-            tensor.untyped_storage().resize_(0)
-        for tensor in self._loose_tensors():
-            tensor.data = tensor.data.to(host, copy=True)
-
-    def to_device(self) -> None:
-        kept = iter(self.host)
-        for (tensor, keep), size in zip(self._buffers(), self.sizes, strict=True):
-            if tensor.untyped_storage().nbytes() != size:
-                tensor.untyped_storage().resize_(size)
-            if keep:
-                tensor.copy_(next(kept))
-            else:
-                tensor.zero_()
-        self.host = []
-        for tensor in self._loose_tensors():
-            tensor.data = tensor.data.to(self.engine.device)

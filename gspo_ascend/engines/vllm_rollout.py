@@ -84,7 +84,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -429,6 +429,29 @@ def _lifted() -> contextlib.AbstractContextManager:
     return mindspeed_setup.patches_lifted()
 
 
+@contextlib.contextmanager
+def _rng_kept(backend: Backend) -> Iterator[None]:
+    """The process's global RNG streams as they were before the body. vLLM's worker reseeds them while it starts
+    (vllm-ascend 0.11 ``NPUWorker._init_device`` and the end of its warm-up: ``seed_everything``; vLLM's CPU and
+    GPU workers: ``set_random_seed``), which in-process (rollout TP, ``external_launcher``) is the trainer's
+    process: whatever the trainer draws from the global streams afterwards would restart from vLLM's seed instead
+    of continuing its own (issue #25). Kept, building the rollout engine is invisible to the trainer's randomness."""
+    import random
+
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    device = backend.module().get_rng_state() if backend.torch_device_type != "cpu" else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if device is not None:
+            backend.module().set_rng_state(device)
+
+
 def _beside_mindspeed(method: Any) -> Any:
     """A method of the engine that calls into vLLM, run under :func:`_lifted`."""
 
@@ -524,7 +547,8 @@ class VLLMRolloutEngine:
             # vLLM's custom all-reduce exchanges IPC handles of peer devices; each rank sees one device (Ray)
             kwargs["disable_custom_all_reduce"] = True
         try:
-            return vllm.LLM(**kwargs)
+            with _rng_kept(self.backend):
+                return vllm.LLM(**kwargs)
         except ValueError as exc:  # vLLM's own config validation: keep its message, name our keys
             raise ConfigError(f"vLLM refused the rollout config ({str(exc).splitlines()[0]}); see rollout.*") from exc
 
@@ -697,12 +721,19 @@ class VLLMRolloutEngine:
         if not self.sleep_supported:
             log.debug("vllm rollout: sleep mode is not available on this platform; sleep() is a no-op")
             return
+        if self._asleep == ["kv_cache"]:  # weights woken by update_weights: vLLM 0.11 cannot sleep a part
+            # (its executor ignores sleep() while any tag sleeps, and the allocator would unmap the KV cache a
+            # second time): map the KV cache (no copy; the trainer's state is back on the host by now), then sleep
+            self._wake()
         if not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = ["weights", "kv_cache"]
 
     @_beside_mindspeed
     def wake_up(self) -> None:
+        self._wake()
+
+    def _wake(self) -> None:
         if self.sleep_supported and self._asleep:
             self.llm.wake_up(tags=list(self._asleep))
             self._asleep = []

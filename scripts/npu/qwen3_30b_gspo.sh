@@ -4,8 +4,8 @@
 #   head:      MODEL_PATH=/models/Qwen3-30B-A3B DATA_DIR=data/dapo bash scripts/npu/qwen3_30b_gspo.sh [key=value ...]
 #   worker(s): NODE_RANK=1 HEAD_ADDR=<head ip> bash scripts/npu/qwen3_30b_gspo.sh
 #   check:     bash scripts/npu/qwen3_30b_gspo.sh --dry-run   (config, preflight, memory plan, commands; no hardware)
-# Variants: 4 nodes: NNODES=4 ... actor.pipeline_parallel_size=4 data.train_batch_size=512; 1 node: NNODES=1 ...
-# actor.expert_parallel_size=4 (tight on 64 GB NPUs: the planner leaves no margin).
+# Variants: 4 nodes: NNODES=4 ... actor.pipeline_parallel_size=4 data.train_batch_size=512. One node cannot hold
+# the training state (18 B/param over 8 x 64 GB: the plan is OOM); on 96 GB GPUs it can (scripts/gpu/).
 # Variables, variants and what every step does: docs/launch-scripts.md. Same shape as scripts/gpu/qwen3_30b_gspo.sh.
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=../lib/launch.sh

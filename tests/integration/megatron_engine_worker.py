@@ -188,10 +188,21 @@ def checkpoint_round_trip(engine, case: str, out: Path, rank: int, world: int, b
 
 def offload_round_trip(engine, batch: SampleBatch) -> dict:
     """actor.offload on CPU (forced): between calls the flat parameter and gradient buffers hold no storage; the
-    results (here and of the update job after it) must equal those of the engine without offload."""
+    results (here and of the update job after it) must equal those of the engine without offload. What is on the
+    device in each phase (issue #25), by part, from the engine's own accounting (engines/megatron_offload.py):
+    between calls, inside a weight export (its first tensor out), inside an update (its first loss)."""
+    phases = {"idle": engine.resident_bytes()}
     log_probs = engine.compute_log_probs(batch, TEMPERATURE)
-    sizes = [t.untyped_storage().nbytes() for t, _ in engine._offload._buffers()]
-    return {"log_probs": log_probs, "offloaded_bytes": sizes}
+    stream = engine.export_weights()
+    next(stream)
+    phases["export"] = engine.resident_bytes()
+    for _ in stream:
+        pass
+    phases["after_export"] = engine.resident_bytes()
+    loss, seen = engine.policy_loss, []
+    engine.policy_loss = lambda *a, **k: seen.append(engine.resident_bytes()) or loss(*a, **k)
+    sizes = [t.untyped_storage().nbytes() for part in ("grads", "params") for t in engine._offload._flat(part)]
+    return {"log_probs": log_probs, "offloaded_bytes": sizes, "phases": phases, "update_phase": seen}
 
 
 def bench(engine, repeats: int = 5) -> dict:

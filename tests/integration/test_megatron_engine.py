@@ -209,6 +209,39 @@ def test_offload_frees_buffers_and_changes_nothing(run):
     assert offloaded["metrics"] == plain["metrics"]
 
 
+def test_offload_has_only_the_parameters_on_the_device_during_a_weight_export(run):
+    """Issue #25: the sync's export ran with the fp32 gradient buffers and the optimizer state brought back (the
+    30B layout's sync: 64.6 GiB on a 64 GiB 910B). Measured from the engine's own offload accounting: flat
+    buffers by their storage (really freed on the CPU), the rest by which parts were brought up."""
+    result = run[1]["dense_offload"][0]
+    phases, full = result["phases"], result["update_phase"][-1]  # the last loss: AdamW's state exists by then
+    assert set(phases["idle"].values()) == {0} and set(phases["after_export"].values()) == {0}
+    assert phases["export"] == {"params": full["params"], "grads": 0, "optimizer": 0}
+    # an update has everything up: fp32 weights here, so fp32 gradients of the same size, and AdamW's two moments
+    assert full["params"] > 0 and full["grads"] == full["params"] and full["optimizer"] == 2 * full["params"]
+
+
+def test_the_planner_sizes_each_phase_as_the_engine_measures_it(run):
+    """gspo-ascend plan for the tiny model at the dense_offload case's config, against the engine's measured
+    bytes: training (weights, fp32 gradients, optimizer) = what an update has up; the sync's actor state = what
+    an export has up. Hand check: 426,880 parameters x 4 B (fp32) = 1,707,520."""
+    from gspo_ascend.config import load_config
+    from gspo_ascend.doctor.hardware import profile
+    from gspo_ascend.doctor.modelspec import load_spec
+    from gspo_ascend.doctor.planner import plan
+    from gspo_ascend.tiny import ensure_tiny_model
+    from tests.integration.megatron_engine_worker import BASE, CASES
+
+    cfg = load_config(None, [*BASE, *CASES["dense_offload"][1], f"model.path={ensure_tiny_model()}"])
+    p = plan(cfg, load_spec(cfg.model.path), profile("atlas-800t-a2"))
+    result = run[1]["dense_offload"][0]
+    measured, export = result["update_phase"][-1], result["phases"]["export"]
+    assert measured["params"] == 1_707_520
+    planned = {"params": p.train.parts["weights"], "grads": p.train.parts["gradients"]}
+    assert planned | {"optimizer": p.train.parts["optimizer"]} == measured
+    assert p.sync.parts["actor state"] == export["params"] and export["grads"] == export["optimizer"] == 0
+
+
 # ----------------------------------------------------------------------------------------------- in-process pieces
 
 

@@ -52,9 +52,12 @@ def _rank_main(out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = str(ensure_tiny_model())
     cfg = _cfg(**{"rollout.tensor_parallel_size": 2, "data.train_batch_size": PROMPTS, "rollout.n": PARAMS.n})
+    torch.manual_seed(4321)  # not the config's seed: vLLM's worker reseeds with that one
+    expected = torch.Generator().manual_seed(4321).get_state()  # the stream as the trainer left it
     start = time.perf_counter()
     engine = build_vllm_rollout(cfg, get_backend("cpu"), path)
     started = time.perf_counter() - start
+    rng_kept = torch.equal(torch.get_rng_state(), expected)
     prompts, params = split_rollout_prompts(_prompts(path, PROMPTS), PARAMS, world, tp=2)[rank]
     start = time.perf_counter()
     before = engine.generate(prompts, params)
@@ -76,6 +79,7 @@ def _rank_main(out: Path) -> None:
         "tp": (engine.tp_rank, engine.tp_group),
         "vllm_tp": (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()),
         "in_process": not engine.llm.llm_engine.engine_core.__class__.__name__.startswith("SyncMP"),
+        "rng_kept": rng_kept,
     }
     engine.close()
     total = torch.tensor([rank + 1.0])
@@ -167,6 +171,12 @@ class TestTwoRanks:
             assert result["tp"] == (rank, 0)  # ranks 0 and 1 form rollout group 0
             assert result["vllm_tp"] == (rank, 2)  # vLLM's own TP group agrees
             assert result["world_after_close"] == 3.0  # 1 + 2: close() left our gloo world working
+
+    def test_building_the_engine_in_process_leaves_the_trainers_rng_alone(self, ranks, _):
+        """vLLM's worker reseeds the global RNGs with the config's seed while it starts (vllm-ascend 0.11
+        NPUWorker._init_device: seed_everything; vLLM's CPU worker: set_random_seed); in-process that was the
+        trainer's stream (issue #25)."""
+        assert all(result["rng_kept"] for result in ranks)
 
     def test_both_ranks_return_the_same_samples(self, ranks, _):
         for phase in ("before", "after"):

@@ -18,6 +18,7 @@ import torch
 from gspo_ascend.algorithms import AGG_MODES, agg_loss, get_policy_loss, kl_penalty
 from gspo_ascend.device import get_backend
 from gspo_ascend.engines.base import SampleBatch
+from gspo_ascend.engines.fsdp import FSDP_PARTS
 from gspo_ascend.engines.logprobs import forward_log_probs, token_log_probs
 from gspo_ascend.engines.microbatch import dp_shard, plan_micro_batches
 from gspo_ascend.errors import ConfigError, UserError
@@ -422,7 +423,8 @@ def test_offload_round_trip_between_calls_changes_nothing(model_path):
     plain, offloaded = make_engine(model_path), make_engine(model_path, "actor.offload=true")
     assert offloaded._offload_to is None  # nothing to do on the CPU backend
     offloaded._onload_to, offloaded._offload_to = {"dtype": torch.float32}, {"dtype": torch.float64}
-    offloaded._place(offloaded._offload_to)
+    for part in FSDP_PARTS:
+        offloaded._place(part, device=False)
     for engine in (plain, offloaded):
         engine.compute_log_probs(b1, 1.0)
         engine.update(b1, 1.0)
@@ -432,6 +434,42 @@ def test_offload_round_trip_between_calls_changes_nothing(model_path):
     assert torch.equal(offloaded.compute_log_probs(b2, 1.0), plain.compute_log_probs(b2, 1.0))
     assert_close_dicts(full_weights(offloaded), full_weights(plain), atol=0.0)
     assert {p.dtype for p in offloaded.model.parameters()} == {torch.float64}
+
+
+def test_offload_brings_up_only_the_parameters_for_a_weight_export(model_path):
+    """Issue #25: the sync runs beside the rollout engine's weights, so an export must not bring the optimizer
+    state (2x the parameters) to the device. Measured by dtype: the test's device is float32, the host float64
+    (the round trip of the test above), so where each tensor is can be read off it."""
+    engine = make_engine(model_path, "actor.offload=true", "algorithm.kl_coef=0.1")
+    engine._onload_to, engine._offload_to = {"dtype": torch.float32}, {"dtype": torch.float64}
+    for part in FSDP_PARTS:
+        engine._place(part, device=False)
+    batch = rollout(model_path, 8, seed=62)
+    engine.update(batch, 1.0)
+
+    def where() -> dict[str, set]:
+        return {
+            "params": {p.dtype for p in engine.model.parameters()},
+            "ref": {p.dtype for p in engine.ref_model.parameters()},
+            "optimizer": {s["exp_avg"].dtype for s in engine.optimizer.state.values()},
+        }
+
+    parked = {"params": {torch.float64}, "ref": {torch.float64}, "optimizer": {torch.float64}}
+    assert where() == parked
+    stream = engine.export_weights()
+    next(stream)  # inside the export: its first tensor is out
+    assert where() == parked | {"params": {torch.float32}}
+    assert (
+        engine.resident_bytes()["optimizer"] == engine.resident_bytes()["ref"] == 0 < engine.resident_bytes()["params"]
+    )
+    for _ in stream:
+        pass
+    assert where() == parked and set(engine.resident_bytes().values()) == {0}
+    seen = []
+    loss = engine.policy_loss
+    engine.policy_loss = lambda *a, **k: seen.append(where()) or loss(*a, **k)
+    engine.update(batch, 1.0)
+    assert seen and seen[0] == {part: {torch.float32} for part in FSDP_PARTS}  # an update has everything up
 
 
 # ----------------------------------------------------------------------------------------------- bf16, errors

@@ -84,7 +84,8 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     # last stage experts = 24 x 32 x 4,718,592 = 3,623,878,656 -> params 3,821,314,048
     assert p.train.where == "last pipeline stage"
     assert p.train.parts["weights"] == 7_642_628_096  # x 2 B
-    assert p.train.parts["gradients"] == 7_642_628_096
+    # megatron's DDP keeps fp32 gradient buffers (the engine's grad_reduce_in_fp32): 4 B x 3,821,314,048
+    assert p.train.parts["gradients"] == 15_285_256_192
     # distributed optimizer: 12 B x (197,435,392 / 2 + 3,623,878,656 / 2) = 12 x 1,910,657,024
     assert p.train.parts["optimizer"] == 22_927_884_288
     # full recompute, SP: 24 layers x layer input h/TP x 2 B = 24,576 B/token x 8192 tokens = 201,326,592
@@ -93,7 +94,7 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     assert p.train.parts["activations"] == 482_344_960
     # logits: 8192 tokens x 151936/4 x (2 B bf16 + 4 B fp32 log-softmax) = 1,866,989,568
     assert p.train.parts["logits"] == 1_866_989_568
-    assert p.train.total == 40_562_475_008  # 37.78 GiB < 0.9 x 60 GiB
+    assert p.train.total == 48_205_103_104  # 44.89 GiB < 0.9 x 60 GiB
     assert p.train_verdict == "fits"
     # rollout TP4: 48 x (4,718,592 + 266,496 + 603,979,776/4) + 2 x 311,164,928/4 + 2,048 = 7,642,626,048 params
     assert p.rollout.parts["weights"] == 15_285_252_096
@@ -104,6 +105,10 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     # per token: 2 (K, V) x 48 layers x 1 KV head (4/TP4) x 128 x 2 B = 24,576 -> 767,609 tokens (93.7 x 8192)
     assert p.kv_tokens == 767_609
     assert p.rollout.parts["actor state"] == 0 and p.rollout.total == 34_359_738_368  # offloaded
+    # sync: the trainer's bf16 parameters only (offload), vLLM's weights (KV asleep), and the export's transient:
+    # a layer's 128 experts gathered and fused, 2 x 2 B x 603,979,776 = 2,415,919,104 (> the 311,164,928 embedding)
+    assert p.sync.parts == {"actor state": 7_642_628_096, "export": 2_415_919_104, "rollout": 15_285_252_096}
+    assert p.sync.total == 25_343_799_296 and p.sync_verdict == "fits"
     assert p.verdict == "fits"
 
 
@@ -117,27 +122,31 @@ def test_qwen3_30b_a3b_2x8_a2_tp2_pp4_ep4():
     assert p.train.parts["weights"] == 4_167_936_000
     # optimizer: 12 x (272,028,672 / 2 + 1,811,939,328 / 1)
     assert p.train.parts["optimizer"] == 23_375_443_968
+    assert p.train.parts["gradients"] == 8_335_872_000  # fp32: 4 B x 2,083,968,000
     # 12 x 2048 B x 8192 + 2 x (4096 + 128 x 36 + 8 x (4096 + 2304)/2) x 8192 = 201,326,592 + 562,036,736
     assert p.train.parts["activations"] == 763_363_328
     assert p.train.parts["logits"] == 3_733_979_136  # 8192 x 75,968 x 6
-    # the first stage (4 micro-batches in flight, no logits) is smaller: 33,078,638,592
-    assert p.train.total == 36_208_658_432
+    # the first stage (4 micro-batches in flight, no logits) is smaller
+    assert p.train.total == 40_376_594_432
 
 
-def test_qwen3_30b_a3b_without_distributed_optimizer_is_tight():
+def test_qwen3_30b_a3b_without_distributed_optimizer_does_not_fit():
     p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.use_distributed_optimizer=false")
-    # optimizer 12 x 3,821,314,048 = 45,855,768,576 -> total 63,490,359,296 B: above 0.9 x usable, below usable
+    # optimizer 12 x 3,821,314,048 = 45,855,768,576 -> total 71,132,987,392 B: above usable (64,424,509,440)
+    # (before fp32 gradients were counted: 63,490,359,296, "tight")
     assert p.train.parts["optimizer"] == 45_855_768_576
-    assert p.train.total == 63_490_359_296 and p.train_verdict == "tight"
-    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 40_562_475_008
+    assert p.train.total == 71_132_987_392 and p.train_verdict == "OOM"
+    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 48_205_103_104
     assert p.knobs[0].key in ("actor.use_distributed_optimizer", "actor.pipeline_parallel_size")
 
 
 def test_qwen3_30b_a3b_without_offload_does_not_fit_rollout():
     p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false")
-    # weights + grads + optimizer stay during rollout: 38,213,140,480 + vLLM's 0.5 x 64 GiB = 72,572,878,848 > 60 GiB
-    assert p.rollout.parts["actor state"] == 38_213_140_480
-    assert p.rollout.total == 72_572_878_848
+    # weights + fp32 grads + optimizer stay during rollout: 45,855,768,576 + vLLM's 0.5 x 64 GiB = 80,215,506,944
+    assert p.rollout.parts["actor state"] == 45_855_768_576
+    assert p.rollout.total == 80_215_506_944
+    # and during the sync: + export 2,415,919,104 + vLLM weights 15,285,252,096 = 63,556,939,776 (tight)
+    assert p.sync.total == 63_556_939_776 and p.sync_verdict == "tight"
     assert p.rollout_verdict == "OOM" and p.verdict == "OOM"
     assert p.knobs[0].key == "actor.offload" and p.knobs[0].new is True
     assert "actor.offload=true  (was false;" in render_text(p)
@@ -209,8 +218,9 @@ def test_qwen25_3b_megatron_tp2_on_h20():
     # no SP: 2 x (4h + 128 x (2x8 + 2x1) + 3 x 11008/2) = 54,016 B/token x 36 layers x 8192 tokens (mbs 2 x 4096)
     assert p.train.parts["activations"] == 15_929_966_592
     assert p.train.parts["logits"] == 3_733_979_136  # 8192 x 75,968 x 6
-    assert p.train.total == 44_352_651_264 and p.train_verdict == "fits"
-    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 30_465_254_400  # DP 4
+    assert p.train.parts["gradients"] == 4 * 1_543_044_096  # fp32 (megatron DDP's grad_reduce_in_fp32)
+    assert p.train.total == 47_438_739_456 and p.train_verdict == "fits"
+    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 33_551_342_592  # DP 4
     # the assumption the first GPU run found 2.45x off without Transformer Engine is on the line a user reads
     assert "fused attention assumed" in render_text(p).split("activations")[1].splitlines()[0]
 
@@ -230,7 +240,8 @@ def test_plan_cli_json(cli):
     proc = cli("plan", *MOE, *TP4_PP2_EP4, "--hardware", "atlas-800t-a2", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["verdict"] == "fits" and out["train"]["total"] == 40_562_475_008 and len(out["knobs"]) == 3
+    assert out["verdict"] == "fits" and out["train"]["total"] == 48_205_103_104 and len(out["knobs"]) == 3
+    assert out["sync"]["total"] == 25_343_799_296 and out["sync_verdict"] == "fits"
 
 
 @pytest.mark.parametrize(
@@ -259,7 +270,7 @@ def test_plan_cli_without_weights_uses_the_builtin_spec_and_says_so(cli):
         "note: model.path 'Qwen/Qwen3-30B-A3B' has no config.json: using the built-in spec of Qwen/Qwen3-30B-A3B "
         "(matched by the hub id; fields of https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json)"
     )
-    assert "  total          37.78   fits" in proc.stdout  # = 40,562,475,008 B, as from the config.json
+    assert "  total          44.89   fits" in proc.stdout  # = 48,205,103,104 B, as from the config.json
 
 
 def test_plan_cli_unknown_hub_id_lists_the_builtin_ids(cli):

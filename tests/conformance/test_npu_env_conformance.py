@@ -4,9 +4,10 @@ Every variable in ``env/npu/mc2_env.yaml`` (the Ray runtime_env of NPU jobs) and
 ``env/npu/atlas_800t_a2.sh`` must be read by something of the pinned stack:
 * ``VLLM_ASCEND_*``: a key of vllm-ascend 0.11.0's ``vllm_ascend/envs.py``;
 * other ``VLLM_*``: a key of vLLM 0.11.0's ``vllm/envs.py``;
-* the rest: read by torch-npu 2.7.1 (its name in ``libtorch_npu.so`` or its Python), or one of the variables of
-  the CANN runtime / Ray / gloo listed below with where they are documented (CANN is not on a package
-  registry, so those cannot be checked here; the list makes a new one a deliberate choice, not a typo).
+* the rest: read by torch-npu 2.7.1 (:func:`torch_npu_reader`: a read site in its Python, or a C++ reader of
+  :data:`CXX_READERS`), or one of the variables of the CANN runtime / Ray / gloo listed below with where they
+  are documented (CANN is not on a package registry, so those cannot be checked here; the list makes a new one
+  a deliberate choice, not a typo).
 The values that matter to RL are checked against the code that reads them.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from functools import cache
 
 import yaml
@@ -52,12 +54,98 @@ def _env_keys(relpath: str, dist: str, dict_name: str) -> set[str]:
     raise AssertionError(f"{dist}: no {dict_name} dict in {relpath}")
 
 
+# Variables torch_npu reads only in its C++ (libtorch_npu.so; the .cpp is not in the wheel): the reader its shipped
+# headers declare, and where the variable is documented. Checked: the header declares the reader and the library
+# holds the name as a C string of its own (what getenv is called with), not only inside a longer message.
+CXX_READERS = {
+    "TASK_QUEUE_ENABLE": (
+        "torch_npu/csrc/core/npu/register/OptionsManager.h",
+        "GetTaskQueueEnable",
+        "../shared/reference/npu_api.md section 5 (TASK_QUEUE_ENABLE 0 / 1 / 2; Ascend torch_npu env reference)",
+    ),
+    "HCCL_CONNECT_TIMEOUT": (
+        "torch_npu/csrc/core/npu/register/OptionsManager.h",
+        "GetHCCLConnectTimeout",
+        "../shared/reference/npu_api.md HCCL table (CANN environment-variable reference)",
+    ),
+    "HCCL_EXEC_TIMEOUT": (
+        "torch_npu/csrc/core/npu/register/OptionsManager.h",
+        "GetHCCLExecTimeout",
+        "../shared/reference/npu_api.md HCCL table (CANN environment-variable reference)",
+    ),
+    "HCCL_ASYNC_ERROR_HANDLING": (
+        "torch_npu/csrc/distributed/ProcessGroupHCCL.hpp",
+        'HCCL_ASYNC_ERROR_HANDLING = "HCCL_ASYNC_ERROR_HANDLING"',
+        "../shared/reference/npu_api.md HCCL table (TORCH_HCCL_ASYNC_ERROR_HANDLING, old name)",
+    ),
+}
+
+_READ_CALLS = ("getenv", "environ.get")  # os.environ.setdefault / assignment write the variable, they do not read it
+
+
+def _python_reads(tree: ast.Module) -> set[str]:
+    """Names read in one module: ``os.getenv(N)``, ``os.environ.get(N)``, ``os.environ[N]`` (load), ``N in
+    os.environ``, with N a literal or a module-level ``CONST = "N"``; and the keys of an envs.py-style dict whose
+    value reads the environment (``{"N": lambda: os.getenv("N", ...)}``). A name in a docstring is none of these."""
+    consts = {
+        t.id: n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+
+    def name_of(expr: ast.AST) -> str | None:
+        value = expr.value if isinstance(expr, ast.Constant) else consts.get(getattr(expr, "id", ""))
+        return value if isinstance(value, str) else None
+
+    found: set[str | None] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and ast.unparse(node.func).endswith(_READ_CALLS):
+            found.add(name_of(node.args[0]))
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            if ast.unparse(node.value).endswith("environ"):
+                found.add(name_of(node.slice))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            if ast.unparse(node.comparators[-1]).endswith("environ"):
+                found.add(name_of(node.left))
+        elif isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(value, ast.Lambda) and _python_reads(ast.Module([ast.Expr(value.body)], [])):
+                    found.add(name_of(key) if key is not None else None)
+    return {n for n in found if n}
+
+
 @cache
-def torch_npu_reads(name: str) -> bool:
+def _torch_npu_python_reads() -> dict[str, str]:
+    """Every name the pinned torch_npu Python reads -> the first file that reads it."""
+    root = wheel_root("torch-npu")
+    reads: dict[str, str] = {}
+    for path in sorted((root / "torch_npu").rglob("*.py")):
+        try:
+            with warnings.catch_warnings():  # their invalid escape sequences in docstrings are theirs, not ours
+                warnings.simplefilter("ignore")
+                tree = ast.parse(path.read_text(errors="ignore"))
+        except SyntaxError:  # test data / templates in the wheel that are not Python 3.11
+            continue
+        for name in _python_reads(tree):
+            reads.setdefault(name, str(path.relative_to(root)))
+    return reads
+
+
+@cache
+def torch_npu_reader(name: str) -> str | None:
+    """Where the pinned torch_npu reads ``name`` (a Python file, or a C++ reader of CXX_READERS), or None."""
+    if name in _torch_npu_python_reads():
+        return _torch_npu_python_reads()[name]
+    if name not in CXX_READERS:
+        return None
+    header, reader, documented = CXX_READERS[name]
     root = wheel_root("torch-npu") / "torch_npu"
-    if name.encode() in (root / "lib" / "libtorch_npu.so").read_bytes():
-        return True
-    return any(name in p.read_text(errors="ignore") for p in root.rglob("*.py"))
+    assert reader in (root / "include" / header).read_text(), f"torch-npu 2.7.1's {header} declares no {reader}"
+    library = (root / "lib" / "libtorch_npu.so").read_bytes()
+    assert b"\0" + name.encode() + b"\0" in library, f"libtorch_npu.so holds no C string {name}"
+    return f"{header} {reader} (C++; documented in {documented})"
 
 
 def test_every_profile_variable_is_read_by_the_pinned_stack():
@@ -70,7 +158,7 @@ def test_every_profile_variable_is_read_by_the_pinned_stack():
         elif name.startswith("VLLM_"):
             ok = name in vllm
         else:
-            ok = name in NOT_IN_THE_WHEELS or torch_npu_reads(name)
+            ok = name in NOT_IN_THE_WHEELS or torch_npu_reader(name) is not None
         if not ok:
             unread.append(name)
     assert not unread, f"set by env/npu but read by nothing of the pinned stack: {unread}"
@@ -90,5 +178,15 @@ def test_allocator_conf_is_what_sleep_mode_accepts():
     camem = upstream_file("vllm-ascend", "vllm_ascend/device_allocator/camem.py").read_text()
     assert 'os.environ.get("PYTORCH_NPU_ALLOC_CONF", "")' in camem and '"expandable_segments:True" not in conf' in camem
     assert "expandable_segments:True" not in profile_vars()["PYTORCH_NPU_ALLOC_CONF"]
-    # torch_npu 2.7.1 reads the NPU name; the generic PYTORCH_ALLOC_CONF appears nowhere in it
-    assert torch_npu_reads("PYTORCH_NPU_ALLOC_CONF") and not torch_npu_reads("PYTORCH_ALLOC_CONF")
+    # torch_npu 2.7.1 reads the NPU name (its Python too: the profiler records it); the generic one it never reads
+    assert torch_npu_reader("PYTORCH_NPU_ALLOC_CONF") and torch_npu_reader("PYTORCH_ALLOC_CONF") is None
+
+
+def test_a_docstring_mention_is_not_a_read():
+    """``TORCH_NPU_WARN_ONCE`` appears in torch_npu 2.7.1 only in a docstring (testing/testcase.py): a substring
+    search of the wheel finds it, the reader rule must not (issue #25 item 6)."""
+    root = wheel_root("torch-npu") / "torch_npu"
+    assert "TORCH_NPU_WARN_ONCE" in (root / "testing" / "testcase.py").read_text()
+    assert torch_npu_reader("TORCH_NPU_WARN_ONCE") is None
+    docstring = ast.parse('def f():\n    """Set TORCH_NPU_WARN_ONCE=1."""\n    return os.getenv("TORCH_NPU_LOGS")\n')
+    assert _python_reads(docstring) == {"TORCH_NPU_LOGS"}

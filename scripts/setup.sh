@@ -2,7 +2,8 @@
 # One-command set-up of the pinned CPU stack into .venv (CI, laptops, the embedded demo).
 #   bash scripts/setup.sh            create/refresh .venv from requirements-cpu.txt and install gspo-ascend
 #   bash scripts/setup.sh --relock   rewrite requirements-cpu.txt from the current .venv (after an upgrade)
-# Needs only Python >= 3.10 with venv. Idempotent: a second run with nothing changed takes seconds.
+# Needs only Python >= 3.11 with venv (requirements-cpu.txt's pins need 3.11; checked below, exit 2 otherwise).
+# Idempotent: a second run with nothing changed takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,6 +18,10 @@ if [[ "${1:-}" == "--relock" ]]; then
   exit 0
 fi
 
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "setup: $PY is Python $("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?'), the CPU lock needs 3.11+; set PYTHON=python3.11 (or newer)" >&2
+  exit 2
+fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 stamp="$VENV/.gspo-lock-$(sha256sum requirements-cpu.txt | cut -c1-16)"

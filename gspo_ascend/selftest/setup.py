@@ -44,10 +44,12 @@ def describe_device(backend, devices: int) -> str:
     return f"{what}; {devices} used; {bf16}; collective backend {backend.comm_backend}; {versions()}"
 
 
-def tiny_model(cache: dict[str, str]) -> str:
-    """The embedded tiny Qwen3 (built offline on first use, about a minute), remembered in ``cache``."""
-    if "path" not in cache:
+def tiny_model(cache: dict[str, str], moe: bool = False) -> str:
+    """The embedded tiny Qwen3, or Qwen3-MoE with ``moe`` (each built offline on first use, about a minute),
+    remembered in ``cache``."""
+    key = "moe" if moe else "path"
+    if key not in cache:
         from ..tiny import ensure_tiny_model
 
-        cache["path"] = str(ensure_tiny_model())
-    return cache["path"]
+        cache[key] = str(ensure_tiny_model(moe=moe))
+    return cache[key]

@@ -11,6 +11,15 @@ ranks (:mod:`.launch`, one per device; one rank with one device) then run, in on
 3. a checkpoint round trip on the megatron engine (the fsdp engine where megatron cannot run): save, update on a
    second batch (A); a fresh engine loads the checkpoint and makes the same update (B).
 
+The tiny Qwen3-MoE (4 experts, top-2) runs the first two checks again as ``training/moe_megatron_tp1`` and
+``training/moe_fsdp_vs_megatron``, always at TP=1 on one rank (MoE with TP > 1 needs sequence parallelism, which
+megatron's local spec cannot run on a host; one rank is enough for what it is there for): under MindSpeed its experts
+are ``MindSpeedGmmExperts``, so the log-probs run ``npu_gmm`` forward and the update its backward (dx and dw), on the
+device, against HF and the fsdp engine; the check fails if MindSpeed is on and the experts are anything else. Off
+MindSpeed the experts are megatron's ``SequentialMLP``, and the check still covers routing and the experts' weights
+(loaded, updated and exported under HF's names, compared with fsdp's). No checkpoint round trip (the dense one
+covers the engine's checkpoint code).
+
 Judged here, with bounds (fp32 model):
 
 * megatron log-probs vs HF: 1e-5 on a host (both sides are fp32 CPU kernels; tests/integration measures ~1e-6),
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +53,20 @@ TIMEOUT_S = 900
 BATCH = 8  # samples per batch: 2 minibatches x 2 ranks x 2 (one rank: 2 minibatches x 4)
 BASE = [f"data.train_batch_size={BATCH // 4}", *UPDATE_OVERRIDES]
 STAGES = ("fsdp", "megatron", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model the training checks run, each in its own directory and rank launch."""
+
+    moe: bool
+    prefix: str  # of the check names: training/<prefix>megatron_tp<world>, training/<prefix>fsdp_vs_megatron
+    checkpoint: bool  # the checkpoint round trip too
+    one_rank: bool  # TP=1 on one rank whatever the device count (MoE: see the module docstring)
+
+
+DENSE = Model(moe=False, prefix="", checkpoint=True, one_rank=False)
+MOE = Model(moe=True, prefix="moe_", checkpoint=False, one_rank=True)
 
 
 def world_size(devices: int) -> int:
@@ -80,14 +104,15 @@ def _mindspeed_note(backend) -> str:
 # ----------------------------------------------------------------------------------------------- the parent side
 
 
-def _prepare(out: Path) -> tuple[str, dict[str, Any], torch.Tensor]:
-    """(kv2 model dir, batches, HF reference log-probs of the main batch), written under ``out``."""
+def _prepare(out: Path, model_spec: Model) -> tuple[str, dict[str, Any], torch.Tensor]:
+    """(model dir, batches, HF reference log-probs of the main batch), written under ``out``: the dense model with
+    two KV heads (TP=2 needs them), the MoE model as built (TP=1)."""
     from transformers import AutoModelForCausalLM
 
     from ..tiny import ensure_tiny_model
     from .fixtures import hf_log_probs, make_kv2_model, sample_batch
 
-    path = make_kv2_model(ensure_tiny_model(), out)
+    path = ensure_tiny_model(moe=True) if model_spec.moe else make_kv2_model(ensure_tiny_model(), out)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     batches = {name: sample_batch(model, seed, TEMPERATURE, size=BATCH) for seed, name in enumerate(("main", "next"))}
     torch.save(batches, out / "training_batches.pt")
@@ -95,30 +120,35 @@ def _prepare(out: Path) -> tuple[str, dict[str, Any], torch.Tensor]:
     return str(path), {"batches": batches, "initial": initial}, hf_log_probs(model, batches["main"], TEMPERATURE)
 
 
-def _launch(backend, out: Path, megatron: bool, world: int) -> str | None:
+def _launch(backend, out: Path, path: str, megatron: bool, world: int, checkpoint: bool) -> str | None:
     """Run the ``world`` ranks; None when they succeeded, else the one-line failure."""
-    from .fixtures import KV2_DIR
-
-    args = ["--model", str(out / KV2_DIR)] + (["--megatron"] if megatron else [])
+    args = ["--model", path] + (["--megatron"] if megatron else []) + ([] if checkpoint else ["--no-checkpoint"])
     run = launch_on(backend, world, "training", args, out, TIMEOUT_S)
     return None if run.ok else run.failure()
 
 
 def check_training(backend, devices: int, out: Path, quick: bool, log: Path | None = None) -> list[Result]:
-    world = world_size(devices)
-    names = [f"training/megatron_tp{world}", "training/fsdp_vs_megatron", "training/checkpoint"]
+    """The dense model's three checks, then the MoE model's two (each model in its own rank launch)."""
+    results = []
+    for spec, where in ((DENSE, out), (MOE, out / "moe")):
+        world = 1 if spec.one_rank else world_size(devices)
+        results += check_model(spec, backend, world, where, quick, log)
+    return results
+
+
+def check_model(spec: Model, backend, world: int, out: Path, quick: bool, log: Path | None = None) -> list[Result]:
+    names = [f"training/{spec.prefix}megatron_tp{world}", f"training/{spec.prefix}fsdp_vs_megatron"]
+    names += ["training/checkpoint"] if spec.checkpoint else []
     if quick:
         return [run_check(name, lambda: _skip("--quick"), FIX) for name in names]
     blocker = megatron_blocker(backend)
-    state: dict[str, Any] = {"world": world}
+    state: dict[str, Any] = {"world": world, "spec": spec}
 
     def setup() -> dict[str, Any]:
-        if "error" in state:
-            raise CheckFailed(state["error"])
         if "ranks" not in state:
             out.mkdir(parents=True, exist_ok=True)
-            _, state["inputs"], state["reference"] = _prepare(out)
-            state["failure"] = _launch(backend, out, blocker is None, world)
+            path, state["inputs"], state["reference"] = _prepare(out, spec)
+            state["failure"] = _launch(backend, out, path, blocker is None, world, spec.checkpoint)
             state["ranks"] = _results(out, world)
         return state
 
@@ -127,7 +157,7 @@ def check_training(backend, devices: int, out: Path, quick: bool, log: Path | No
         lambda: _judge_update(setup(), backend) if blocker is None else _skip(blocker),
         lambda: _judge_checkpoint(setup(), backend, "megatron" if blocker is None else "fsdp"),
     ]
-    return [run_check(name, body, FIX, log) for name, body in zip(names, bodies, strict=True)]
+    return [run_check(name, body, FIX, log) for name, body in zip(names, bodies[: len(names)], strict=True)]
 
 
 def _skip(why: str) -> str:
@@ -162,9 +192,28 @@ def _judge_logprobs(state: dict[str, Any], backend) -> str:
         if bool((ours[mask[start:stop] == 0] != 0).any()):
             raise CheckFailed(f"megatron TP={tp} log-probs of rows {start}-{stop} are not 0 at padding")
         worst = max(worst, diff)
+    experts = _experts_note(state, backend)
     if worst > limit:
-        raise CheckFailed(f"megatron TP={tp} log-probs differ from HF's (fp32, CPU) by {worst:.2e} (bound {limit:g})")
-    return f"megatron TP={tp} {_mindspeed_note(backend)}: max |megatron - HF| = {worst:.1e} (bound {limit:g})"
+        raise CheckFailed(
+            f"megatron TP={tp}{experts} log-probs differ from HF's (fp32, CPU) by {worst:.2e} (bound {limit:g})"
+        )
+    return f"megatron TP={tp} {_mindspeed_note(backend)}{experts}: max |megatron - HF| = {worst:.1e} (bound {limit:g})"
+
+
+def _experts_note(state: dict[str, Any], backend) -> str:
+    """For the MoE model: which experts class ran (", experts: X"); CheckFailed when MindSpeed is on and they are
+    not its grouped-GEMM experts, i.e. npu_gmm was not what this check ran. "" for the dense model."""
+    from ..engines import mindspeed_setup
+
+    if not state["spec"].moe:
+        return ""
+    kinds = sorted({kind for result in state["ranks"]["megatron"].values() for kind in result.get("experts", [])})
+    if not kinds:
+        raise CheckFailed("the MoE model's megatron engine has no expert modules (mlp.experts)")
+    if mindspeed_setup.enabled(backend) and kinds != ["MindSpeedGmmExperts"]:
+        raise CheckFailed(f"MindSpeed is on but the experts ran as {', '.join(kinds)}, not MindSpeedGmmExperts")
+    gmm = " (npu_gmm)" if kinds == ["MindSpeedGmmExperts"] else ""
+    return f", experts: {', '.join(kinds)}{gmm}"
 
 
 def _metric_problems(ours: dict, theirs: dict, tol: float) -> dict:
@@ -199,7 +248,8 @@ def _judge_update(state: dict[str, Any], backend) -> str:
     ours, initial = (megatron["metrics"], megatron["weights"]), state["inputs"]["initial"]
     detail = _compare_updates("fsdp vs megatron", ours, theirs, initial, tol)
     world = state["world"]
-    return f"one GSPO step, fsdp DP={world} == megatron TP={world}: {detail}"
+    experts = _experts_note(state, backend)
+    return f"one GSPO step, fsdp DP={world} == megatron TP={world}{experts}: {detail}"
 
 
 def _judge_checkpoint(state: dict[str, Any], backend, engine: str) -> str:
@@ -268,6 +318,7 @@ def rank_main(backend, out: Path, argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--megatron", action="store_true")
+    parser.add_argument("--no-checkpoint", action="store_true")
     args = parser.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     if backend.torch_device_type == "cpu" and "OMP_NUM_THREADS" in os.environ:
@@ -279,7 +330,8 @@ def rank_main(backend, out: Path, argv: list[str]) -> None:
     metrics = fsdp.update(update_shard, TEMPERATURE)
     _save(out, "fsdp", rank, {"metrics": metrics, "weights": _exported(fsdp)})
     if not args.megatron:
-        _save(out, "checkpoint", rank, _round_trip(fsdp, "fsdp", backend, args.model, out, next_shard))
+        if not args.no_checkpoint:
+            _save(out, "checkpoint", rank, _round_trip(fsdp, "fsdp", backend, args.model, out, next_shard))
         return
     fsdp.close()
     megatron = _build("megatron", backend, args.model, world)  # TP = the world, so DP = 1
@@ -287,8 +339,12 @@ def rank_main(backend, out: Path, argv: list[str]) -> None:
     result = {
         "rows": [rank * len(mine), (rank + 1) * len(mine)],
         "log_probs": megatron.compute_log_probs(mine, TEMPERATURE),
+        "experts": sorted({type(m).__name__ for n, m in megatron.models[0].named_modules() if n.endswith(".experts")}),
     }
     result["metrics"] = megatron.update(update_shard, TEMPERATURE)
     result["weights"] = _exported(megatron)
     _save(out, "megatron", rank, result)
-    _save(out, "checkpoint", rank, _round_trip(megatron, "megatron", backend, args.model, out, next_shard))
+    if args.no_checkpoint:
+        megatron.close()
+    else:
+        _save(out, "checkpoint", rank, _round_trip(megatron, "megatron", backend, args.model, out, next_shard))

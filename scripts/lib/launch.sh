@@ -24,6 +24,9 @@ USER_OVERRIDES=()
 OVERRIDES=()
 MAKE_MODEL=() # gspo-ascend command that builds MODEL_PATH when it is missing (the CPU miniature's tiny model)
 MAKE_DATA=()  # gspo-ascend command that writes $DATA_DIR/train.parquet when it is missing (its synthetic task)
+# gspo-ascend command every node runs once after its host profile and before Ray starts its workers (the NPU MoE
+# scripts: MindSpeed's JIT ops, built by one process instead of by the node's 8 ranks at the first forward)
+NODE_PREP=()
 # Keys the launcher owns, and the variable that sets each: it waits for NNODES nodes and makes paths absolute (Ray
 # uploads the repository as the job's working_dir, so a relative path would point into that temporary copy).
 declare -A OWNED_KEYS=([trainer.nnodes]=NNODES [trainer.devices_per_node]=DEVICES_PER_NODE
@@ -222,6 +225,11 @@ start_node() {
   section "$what"
   # shellcheck disable=SC1090  # the host profile is chosen by the entry script
   [[ -z $HOST_ENV ]] || run source "$HOST_ENV"
+  # after the profile (CANN's ASCEND_HOME_PATH), before Ray: the workers inherit this environment, so they look in
+  # the same torch extensions directory and find the ops built
+  if ((${#NODE_PREP[@]})); then
+    run "$PYTHON" -m gspo_ascend.cli "${NODE_PREP[@]}" || die "node preparation failed (message above); nothing started"
+  fi
   ray_auth
   if [[ $ROLE == worker ]]; then
     ray_worker_join

@@ -16,6 +16,8 @@ DEVICE=npu
 HARDWARE=atlas-800t-a2
 RUNTIME_ENV=env/npu/mc2_env.yaml
 HOST_ENV=env/npu/atlas_800t_a2.sh
+# MindSpeed's grouped GEMM and RoPE ops are compiled on first use: once per node here, not by 8 ranks in step 1
+NODE_PREP=(selftest --device npu --build-ops)
 : "${CONFIG:=$REPO/configs/qwen3_30b_a3b_gspo.yaml}"
 : "${DATA_DIR:=$REPO/data/dapo}"
 : "${NNODES:=2}"

@@ -25,12 +25,14 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-SETUP = ["setup/device", "setup/tiny_model"]
+SETUP = ["setup/device", "setup/tiny_model", "setup/mindspeed_ops"]
 OPS = [f"ops/{case.name}" for case in ops.CASES]
-LATER = ["collectives", "collectives/mc2", "rollout/hf", "rollout/vllm", "training/megatron_tp2",
-         "training/fsdp_vs_megatron", "training/checkpoint", "e2e/ray_gspo"]  # fmt: skip
+LATER = ["collectives", "collectives/mc2", "rollout/hf", "rollout/vllm", "rollout/vllm_moe", "training/megatron_tp2",
+         "training/fsdp_vs_megatron", "training/checkpoint", "training/moe_megatron_tp1",
+         "training/moe_fsdp_vs_megatron", "e2e/ray_gspo"]  # fmt: skip
 ALL = SETUP + OPS + LATER
-QUICK_SKIPS = {"rollout/vllm", "training/megatron_tp2", "training/fsdp_vs_megatron", "training/checkpoint",
+QUICK_SKIPS = {"rollout/vllm", "rollout/vllm_moe", "training/megatron_tp2", "training/fsdp_vs_megatron",
+               "training/checkpoint", "training/moe_megatron_tp1", "training/moe_fsdp_vs_megatron",
                "e2e/ray_gspo"}  # fmt: skip
 FIELDS = {"name", "status", "seconds", "detail", "fix"}
 
@@ -75,7 +77,9 @@ def test_full_run_on_the_emulated_npu_runs_every_check_and_passes():
     assert "npu_mm_reduce_scatter_base exact on 2 ranks" in found["collectives/mc2"]["detail"]
     assert "without MindSpeed (not installed" in found["training/megatron_tp2"]["detail"]
     assert "fsdp + hf" in found["e2e/ray_gspo"]["detail"]
-    assert re.search(r"summary: 21 pass, 0 fail, 0 skip in \S+ s\n", proc.stderr)
+    assert "nothing built; the shim's CPU stand-ins serve" in found["setup/mindspeed_ops"]["detail"]
+    assert "experts: SequentialMLP" in found["training/moe_megatron_tp1"]["detail"]
+    assert re.search(r"summary: 25 pass, 0 fail, 0 skip in \S+ s\n", proc.stderr)
 
 
 def test_full_run_on_plain_cpu_passes_and_skips_only_npu_only_ops():
@@ -84,9 +88,11 @@ def test_full_run_on_plain_cpu_passes_and_skips_only_npu_only_ops():
     lines = {m[2]: (m[1], m[3]) for m in re.finditer(r"^\[(pass|fail|skip)\] +\S+s (\S+): (.*)$", proc.stdout, re.M)}
     assert list(lines) == ALL
     skipped = {name for name, (status, _) in lines.items() if status == "skip"}
-    assert skipped == {f"ops/{c.name}" for c in ops.CASES if c.torch_path is None} | {"collectives/mc2"}
-    assert all(lines[name][1].startswith("not on the cpu path: ") for name in skipped - {"collectives/mc2"})
+    npu_only = {"collectives/mc2", "setup/mindspeed_ops"}
+    assert skipped == {f"ops/{c.name}" for c in ops.CASES if c.torch_path is None} | npu_only
+    assert all(lines[name][1].startswith("not on the cpu path: ") for name in skipped - npu_only)
     assert lines["collectives/mc2"][1] == "MC2 is torch_npu's (Ascend); this is a cpu node"
+    assert lines["setup/mindspeed_ops"][1] == "MindSpeed's JIT-built ops are NPU-only (this is cpu)"
     assert all(status == "pass" for name, (status, _) in lines.items() if name not in skipped)
     work = re.search(r"work dir (\S+)", proc.stdout)[1]
     assert not (REPO / work).exists()  # removed: nothing failed

@@ -193,6 +193,21 @@ def test_layout_that_does_not_fit_the_node_count_stops_before_ray():
     assert "== commands" not in proc.stdout
 
 
+def test_npu_moe_nodes_build_mindspeed_ops_once_before_ray(tmp_path):
+    """scripts/npu/qwen3_30b_gspo.sh: every node (head and worker) runs `selftest --build-ops` after its host
+    profile and before Ray starts its workers; a dry run prints it and runs nothing. The dense FSDP script does not."""
+    script = "scripts/npu/qwen3_30b_gspo.sh"
+    for env in ({"MODEL_PATH": str(MOE)}, {"NODE_RANK": "1", "HEAD_ADDR": "10.1.2.3"}):
+        proc = launch(script, "--dry-run", OUTPUT_DIR=str(tmp_path / "out"), **env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        cmds = commands(proc.stdout)
+        (prep,) = [i for i, c in enumerate(cmds) if c.endswith("-m gspo_ascend.cli selftest --device npu --build-ops")]
+        assert cmds[prep - 1].startswith("source env/npu/") and all("ray" not in c.split()[0] for c in cmds[:prep])
+        assert "setup/mindspeed_ops" not in proc.stdout  # printed, not run
+    dense = launch("scripts/npu/qwen25_3b_gspo.sh", "--dry-run", OUTPUT_DIR=str(tmp_path / "out"))
+    assert dense.returncode == 0 and "--build-ops" not in dense.stdout
+
+
 def test_worker_dry_run_joins_the_head_and_submits_nothing():
     proc = launch("scripts/gpu/qwen3_30b_gspo.sh", "--dry-run", NODE_RANK="1", HEAD_ADDR="10.1.2.3", RAY_PORT="7000")
     assert proc.returncode == 0, proc.stderr
@@ -248,7 +263,9 @@ def code_lines(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("npu, gpu", PAIRS)
 def test_npu_and_gpu_scripts_differ_only_in_hardware_names(npu, gpu):
-    a, b = code_lines(REPO / npu), code_lines(REPO / gpu)
+    """... and in the NPU-only node preparation (NODE_PREP: MindSpeed's JIT ops; no GPU counterpart)."""
+    a = [line for line in code_lines(REPO / npu) if not line.startswith("NODE_PREP=")]
+    b = code_lines(REPO / gpu)
     assert len(a) == len(b)
     differing = [(x, y) for x, y in zip(a, b, strict=True) if x != y]
     assert {x.split("=", 1)[0] for x, _ in differing} == HARDWARE_NAMES

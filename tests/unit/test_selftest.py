@@ -5,9 +5,12 @@ The full runs through the CLI are in tests/e2e/test_selftest_e2e.py."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ import torch
 from gspo_ascend.device import CPU, NPU_SHIM, shim
 from gspo_ascend.device.detect import cuda_available
 from gspo_ascend.device.shim import selftest_fault
-from gspo_ascend.selftest import ops, report, training
+from gspo_ascend.selftest import mindspeed_build, ops, report, training
 from gspo_ascend.selftest.report import CheckFailed, CheckSkipped
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -187,6 +190,8 @@ def test_training_check_names_carry_the_tp_the_device_count_gives(devices, tp, t
         f"training/megatron_tp{tp}",
         "training/fsdp_vs_megatron",
         "training/checkpoint",
+        "training/moe_megatron_tp1",  # the MoE model: TP=1 on one rank at any device count
+        "training/moe_fsdp_vs_megatron",
     ]
     assert all(r.status == "skip" and r.detail == "--quick" for r in results)
     assert not any(tmp_path.iterdir())  # --quick starts no rank
@@ -200,9 +205,25 @@ def test_on_one_device_the_training_checks_run_at_tp1_on_one_rank(tmp_path, monk
     monkeypatch.delenv(selftest_fault.ENV, raising=False)
     out = tmp_path / "training"
     results = training.check_training(CPU, 1, out, quick=False)
-    assert [r.name for r in results] == ["training/megatron_tp1", "training/fsdp_vs_megatron", "training/checkpoint"]
+    assert [r.name for r in results][:3] == [
+        "training/megatron_tp1",
+        "training/fsdp_vs_megatron",
+        "training/checkpoint",
+    ]
     assert all(r.status == "pass" for r in results), results
-    logprobs, update, checkpoint = (r.detail for r in results)
+    logprobs, update, checkpoint, moe_logprobs, moe_update = (r.detail for r in results)
+    # the MoE model (megatron's SequentialMLP here; MindSpeedGmmExperts under MindSpeed): same bounds as the dense
+    moe = re.search(
+        r"megatron TP=1 .*, experts: SequentialMLP: max \|megatron - HF\| = (\S+) \(bound 1e-05\)", moe_logprobs
+    )
+    assert moe and 0 < float(moe[1]) <= 1e-5, moe_logprobs
+    gap, moved = map(float, re.search(r"weights within (\S+) after an update of (\S+)$", moe_update).groups())
+    assert moe_update.startswith("one GSPO step, fsdp DP=1 == megatron TP=1, experts: SequentialMLP: loss ")
+    assert 0 < moved and gap <= 0.1 * moved
+    assert sorted(p.name for p in (out / "moe").glob("training.*.rank*.pt")) == [
+        "training.fsdp.rank0.pt",
+        "training.megatron.rank0.pt",  # no checkpoint round trip for the MoE model
+    ]
     # megatron TP=1 vs HF: fp32 CPU kernels summing in another order, so a rounding-size difference, never 0
     assert 0 < float(re.search(r"megatron TP=1 .*max \|megatron - HF\| = (\S+) \(bound 1e-05\)", logprobs)[1]) <= 1e-5
     assert update.startswith("one GSPO step, fsdp DP=1 == megatron TP=1: loss ")
@@ -211,6 +232,177 @@ def test_on_one_device_the_training_checks_run_at_tp1_on_one_rank(tmp_path, monk
     assert checkpoint.startswith("megatron: save -> fresh engine -> load -> update bitwise equal")
     ranks = sorted(path.name for path in out.glob("training.*.rank*.pt"))
     assert ranks == ["training.checkpoint.rank0.pt", "training.fsdp.rank0.pt", "training.megatron.rank0.pt"]
+
+
+def _swap_experts(path: str, out: Path) -> str:
+    """A copy of the MoE model whose layer-0 experts 0 and 1 trade weights: tokens reach the wrong expert, as with a
+    grouped GEMM that mis-reads its group list."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    state = load_file(out / "model.safetensors")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        a, b = (f"model.layers.0.mlp.experts.{i}.{proj}.weight" for i in (0, 1))
+        state[a], state[b] = state[b], state[a]
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(training.megatron_blocker(CPU) is not None, reason="megatron-core / mbridge not installed")
+def test_the_moe_training_check_fails_when_the_engine_runs_the_wrong_experts(tmp_path, monkeypatch):
+    """The ranks get the MoE model with two experts swapped, the HF reference the original: the log-prob check
+    fails, naming the size of the difference. ~15 s on the 2-core host."""
+    monkeypatch.delenv(selftest_fault.ENV, raising=False)
+    prepare = training._prepare
+
+    def swapped(out, spec):
+        path, inputs, reference = prepare(out, spec)
+        return _swap_experts(path, out / "swapped"), inputs, reference
+
+    monkeypatch.setattr(training, "_prepare", swapped)
+    logprobs, _ = training.check_model(training.MOE, CPU, 1, tmp_path, quick=False)
+    assert logprobs.name == "training/moe_megatron_tp1" and logprobs.status == "fail"
+    diff = float(
+        re.search(r"experts: SequentialMLP log-probs differ from HF's \(fp32, CPU\) by (\S+) ", logprobs.detail)[1]
+    )
+    assert diff > 1e-3  # far beyond the bound (1e-5)
+
+
+def test_the_moe_check_requires_mindspeeds_grouped_gemm_experts_where_mindspeed_is_on(monkeypatch):
+    from gspo_ascend.engines import mindspeed_setup
+
+    state = {"spec": training.MOE, "ranks": {"megatron": {0: {"experts": ["SequentialMLP"]}}}}
+    assert training._experts_note(state, CPU) == ", experts: SequentialMLP"
+    monkeypatch.setattr(mindspeed_setup, "enabled", lambda backend: True)
+    with pytest.raises(CheckFailed, match="MindSpeed is on but the experts ran as SequentialMLP"):
+        training._experts_note(state, CPU)
+    state["ranks"]["megatron"][0]["experts"] = ["MindSpeedGmmExperts"]
+    assert training._experts_note(state, CPU) == ", experts: MindSpeedGmmExperts (npu_gmm)"
+    assert training._experts_note({**state, "spec": training.DENSE}, CPU) == ""
+
+
+# ----------------------------------------------------------------------------------------------- rollout, MoE
+
+
+def test_the_rollout_fault_drops_an_expert_tensor_on_the_moe_model(monkeypatch):
+    from gspo_ascend.selftest import rollout
+
+    monkeypatch.setenv(selftest_fault.ENV, selftest_fault.ROLLOUT_WEIGHT_UPDATE)
+    new, old = torch.ones(2), torch.zeros(2)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.gate_up_proj", "lm_head.weight"]
+    stream = dict(rollout._update_stream(dict.fromkeys(names, new), dict.fromkeys(names, old)))
+    assert [n for n, t in stream.items() if torch.equal(t, old)] == [names[1]]  # the MoE loader's tensor
+    dense = dict(rollout._update_stream(dict.fromkeys(names[::2], new), dict.fromkeys(names[::2], old)))
+    assert [n for n, t in dense.items() if torch.equal(t, old)] == [names[0]]
+
+
+def test_the_vllm_moe_check_is_skipped_with_quick_before_the_moe_model_is_built():
+    from gspo_ascend.selftest import rollout
+
+    def never() -> str:
+        raise AssertionError("the MoE model must not be built for a skipped check")
+
+    result = report.run_check("rollout/vllm_moe", lambda: rollout._vllm_moe(CPU, never, None, quick=True), "")
+    assert (result.status, result.detail.split(" ")[0]) == ("skip", "--quick")
+
+
+# ----------------------------------------------------------------------------------------------- MindSpeed JIT ops
+
+
+def test_mindspeed_ops_step_skips_off_npu_and_names_the_shim_stand_ins_when_emulated(npu, monkeypatch):
+    from gspo_ascend.device.shim import mindspeed_ops
+
+    assert mindspeed_build.check_mindspeed_ops(npu).startswith("emulated NPU: nothing built; the shim's CPU stand-")
+    with pytest.raises(CheckSkipped, match="NPU-only \\(this is cpu\\)"):
+        mindspeed_build.check_mindspeed_ops(CPU)
+    monkeypatch.delitem(mindspeed_ops.OP_MODULES, "grouped_matmul")
+    with pytest.raises(CheckFailed, match="no stand-in for MindSpeed's grouped_matmul"):
+        mindspeed_build.check_mindspeed_ops(npu)
+
+
+def test_the_prebuilt_builders_are_those_the_op_checks_and_our_features_load():
+    checked = {case.mindspeed_builder for case in ops.CASES if case.mindspeed_builder}
+    assert {(cls, name) for cls, name, _ in mindspeed_build.BUILDERS} == checked
+    from gspo_ascend.config import load_config
+    from gspo_ascend.engines import mindspeed_setup
+
+    on = mindspeed_setup.mindspeed_args(load_config(None, []), moe=True)
+    assert all(on[feature] for _, _, feature in mindspeed_build.BUILDERS)
+
+
+@pytest.fixture
+def fake_mindspeed(tmp_path, monkeypatch):
+    """A real NPU with MindSpeed, as far as the prebuild can tell: builders whose load() writes the extension
+    where torch's JIT build would (``$TORCH_EXTENSIONS_DIR/<name>/<name>.so``); counts constructions."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from gspo_ascend.engines import mindspeed_setup
+
+    made = []
+
+    def builder_class(class_name: str, op_name: str) -> type:
+        def load(self):
+            (Path(_get_build_directory(op_name, False)) / f"{op_name}.so").touch()
+            return types.SimpleNamespace()
+
+        return type(class_name, (), {"__init__": lambda self: made.append(class_name), "load": load})
+
+    module = types.ModuleType("mindspeed.op_builder")
+    for class_name, op_name, _ in mindspeed_build.BUILDERS:
+        setattr(module, class_name, builder_class(class_name, op_name))
+    monkeypatch.setitem(sys.modules, "mindspeed.op_builder", module)
+    monkeypatch.setattr(mindspeed_build, "_instances", {})
+    monkeypatch.setattr(mindspeed_setup, "installed", lambda: True)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    return types.SimpleNamespace(backend=types.SimpleNamespace(name="npu", emulated=False), made=made,
+                                 module=module, root=tmp_path / "ext")  # fmt: skip
+
+
+def test_mindspeed_ops_are_built_once_per_process_with_seconds_per_builder(fake_mindspeed, monkeypatch):
+    first = mindspeed_build.check_mindspeed_ops(fake_mindspeed.backend)
+    built = r"\S+ s \(compiled\)"
+    expected = (
+        rf"in {re.escape(str(fake_mindspeed.root))}: npu_rotary_position_embedding {built}, grouped_matmul {built}"
+    )
+    assert re.fullmatch(expected, first), first
+    again = mindspeed_build.check_mindspeed_ops(fake_mindspeed.backend)
+    assert again.count("(already built)") == 2
+    assert fake_mindspeed.made == ["RotaryPositionEmbeddingOpBuilder", "GMMOpBuilder"]  # one instance per class
+    monkeypatch.delenv("ASCEND_HOME_PATH")
+    with pytest.raises(CheckFailed, match="ASCEND_HOME_PATH is not set"):
+        mindspeed_build.check_mindspeed_ops(fake_mindspeed.backend)
+
+
+@pytest.mark.parametrize("lock", ["grouped_matmul/lock", "stale.lock"])
+def test_a_lock_file_that_would_hang_or_wipe_the_build_fails_the_prebuild(fake_mindspeed, lock):
+    path = fake_mindspeed.root / lock
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    with pytest.raises(CheckFailed, match=f"lock file\\(s\\) from an interrupted build: {re.escape(str(path))}"):
+        mindspeed_build.check_mindspeed_ops(fake_mindspeed.backend)
+    assert fake_mindspeed.made == []  # nothing was loaded
+
+
+def test_a_failing_builder_fails_the_prebuild_naming_it(fake_mindspeed):
+    def broken(self):
+        raise OSError("ninja: not found")
+
+    fake_mindspeed.module.GMMOpBuilder.load = broken
+    with pytest.raises(CheckFailed, match=r"MindSpeed's GMMOpBuilder \(grouped_matmul\) did not build: OSError: ninja"):
+        mindspeed_build.check_mindspeed_ops(fake_mindspeed.backend)
+
+
+def test_build_ops_runs_only_that_step(cli):
+    cpu = cli("selftest", "--device", "cpu", "--build-ops")
+    assert cpu.returncode == 0 and cpu.stdout.splitlines() == [
+        "[skip]    0.0s setup/mindspeed_ops: MindSpeed's JIT-built ops are NPU-only (this is cpu)"
+    ]
+    emulated = cli("selftest", "--device", "npu", "--build-ops", "--json", env={"GSPO_DEVICE_SHIM": "1"})
+    assert emulated.returncode == 0
+    (record,) = json.loads(emulated.stdout)
+    assert (record["name"], record["status"]) == ("setup/mindspeed_ops", "pass")
 
 
 # ----------------------------------------------------------------------------------------------- bad input, ranks

@@ -366,9 +366,10 @@ class MegatronEngine:
         self.model_path = model_path
         self.hf_config = mb.load_hf_config(model_path)
         on_cpu = backend.torch_device_type == "cpu"
-        _check_model(cfg, self.hf_config, self.world_size, on_cpu)
-        self.moe = bool(getattr(self.hf_config, "num_experts", None))
         self.mindspeed = mindspeed_setup.enabled(backend)
+        # MoE + TP needs SP, which the local spec cannot run on CPU; under MindSpeed (the emulated NPU) it runs
+        _check_model(cfg, self.hf_config, self.world_size, on_cpu and not self.mindspeed)
+        self.moe = bool(getattr(self.hf_config, "num_experts", None))
         # MindSpeed's arguments come from the config, in this process (a Ray actor's sys.argv is Ray's)
         ms_args = mindspeed_setup.mindspeed_args(cfg, moe=self.moe) if self.mindspeed else None
         _import_megatron(backend, ms_args)

@@ -33,6 +33,15 @@ REPO = Path(__file__).resolve().parents[2]
 OLD_COMMIT = "d4f770f"  # issue #13 part 1: the engine before it configured MindSpeed
 WIDE = ["actor.tensor_parallel_size=2", "actor.sequence_parallel=true", "model.dtype=bfloat16"]
 WIDE_DIR = "tiny-qwen3-wide"
+MOE_KV2_DIR = "tiny-qwen3-moe-kv2"
+# the shipped 30B training layout (configs/qwen3_30b_a3b_gspo.yaml: TP 4 + SP, PP 2, EP 8 x ETP 1, full recompute,
+# offload, distributed optimizer) scaled to 4 ranks: TP 2 x PP 2 (DP 1), EP 2 x ETP 1 folded into each stage's 2
+# ranks (expert DP 1). Run in float32 and in the 30B's bf16 (test_mindspeed_training_layout.py says why both).
+LAYOUT = [
+    "actor.tensor_parallel_size=2", "actor.sequence_parallel=true", "actor.pipeline_parallel_size=2",
+    "actor.expert_parallel_size=2", "actor.expert_tensor_parallel_size=1", "actor.recompute=full",
+    "actor.offload=true", "actor.use_distributed_optimizer=true",
+]  # fmt: skip
 CASES = {
     # name: (model, config overrides, jobs in run order); the fsdp references of megatron_engine_worker
     # (fsdp_dense, fsdp_kv2) are used too
@@ -46,6 +55,10 @@ CASES = {
     # bf16 model whose matmul k is >= 256: the "wide" model; its reference is the same layout without MC2
     "ms_wide_sp2": ("wide", [*WIDE, "actor.use_mc2=false"], ("count", "log_probs", "update", "describe")),
     "ms_wide_mc2": ("wide", [*WIDE, "actor.use_mc2=true"], ("count", "log_probs", "update", "describe", "checkpoint")),
+    # the training layout (4 ranks) and its reference: the same MoE (two KV heads, which TP 2 needs) in fsdp
+    "fsdp_moe_kv2": ("moe_kv2", ["actor.engine=fsdp"], ("update",)),
+    "ms_moe_layout": ("moe_kv2", LAYOUT, ("offload", "layout", "count", "update", "describe")),
+    "ms_moe_layout_bf16": ("moe_kv2", [*LAYOUT, "model.dtype=bfloat16"], ("offload", "layout", "update")),
 }
 OLD_CASES = {  # name: (model, config overrides)
     "old_dense": ("dense", []),
@@ -54,8 +67,9 @@ OLD_CASES = {  # name: (model, config overrides)
 }
 worker.CASES.update(CASES)
 worker.BACKEND.update({case: "npu" for case in CASES if case.startswith("ms_")})
+LOCAL_MODELS = {"wide": WIDE_DIR, "moe_kv2": MOE_KV2_DIR}  # kind -> directory the test process writes in out
 _model_path = worker.model_path
-worker.model_path = lambda kind, out: str(out / WIDE_DIR) if kind == "wide" else _model_path(kind, out)
+worker.model_path = lambda kind, out: str(out / LOCAL_MODELS[kind]) if kind in LOCAL_MODELS else _model_path(kind, out)
 _calls: collections.Counter = collections.Counter()
 
 
@@ -78,6 +92,24 @@ def make_wide_model(out: Path) -> None:
             p.copy_(p.to(torch.bfloat16).float())
     model.save_pretrained(out / WIDE_DIR)
     AutoTokenizer.from_pretrained(src).save_pretrained(out / WIDE_DIR)
+
+
+def make_moe_kv2_model(out: Path) -> None:
+    """The tiny Qwen3-MoE with its one KV head duplicated into two (the same function; TP 2 needs two KV heads),
+    saved to ``out / MOE_KV2_DIR`` (gspo_ascend.selftest.fixtures.make_kv2_model writes a fixed name: a subfolder).
+    Weights rounded to bf16, saved in fp32 (as make_wide_model): a bf16 engine loads them exactly, and the fp32
+    references (HF, fsdp) compute with the same numbers as both the fp32 and the bf16 engine."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo_ascend.selftest.fixtures import make_kv2_model
+
+    made = make_kv2_model(worker.ensure_tiny_model(moe=True), out / "moe_kv2_build")
+    model = AutoModelForCausalLM.from_pretrained(made, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model.save_pretrained(made)
+    made.rename(out / MOE_KV2_DIR)
 
 
 # ----------------------------------------------------------------------------------------------- jobs
@@ -168,7 +200,59 @@ def _float64_all_reduce(engine) -> dict:
     return {"ours": float(patched), "mindspeed_bypass": float(raw), "wrappers": [w.__name__ for w in patch.wrappers]}
 
 
-worker.EXTRA_JOBS.update(count=count_fused_ops, describe=describe)
+def layout(engine) -> dict:
+    """The layout the engine really built (megatron's parallel state, the model's config, the optimizer's
+    classes), this rank's parameters (dense / expert), and from here on the offload accounting right after each
+    optimizer step (every rank steps; only the last stage computes losses, where offload_round_trip records)."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_ascend.engines import megatron_bridge as mb
+
+    model = mb.unwrap(engine.models[0])
+    params = [p for m in engine.models for p in m.parameters()]
+    expert = [p for p in params if not getattr(p, "allreduce", True)]  # megatron marks expert parameters so
+    steps: list[dict] = []
+    step = engine.optimizer.step_with_ready_grads
+
+    def recording_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        steps.append(engine.resident_bytes())  # inside the update: every part up, AdamW's state just made
+        return out
+
+    engine.optimizer.step_with_ready_grads = recording_step
+    checkpoints = _count_checkpoints()
+    sizes = ("tensor_model_parallel", "pipeline_model_parallel", "expert_model_parallel", "expert_tensor_parallel")
+    return {
+        "sizes": {n: getattr(ps, f"get_{n}_world_size")() for n in (*sizes, "data_parallel")},
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "layers": len(model.decoder.layers),
+        "local_experts": getattr(model.decoder.layers[0].mlp, "num_local_experts", None),
+        "recompute": {k: getattr(engine.tconfig, k) for k in ("recompute_granularity", "recompute_method",
+                                                              "recompute_num_layers", "sequence_parallel")},
+        "optimizers": [type(engine.optimizer).__name__, *(type(s).__name__ for s in engine._sub_optimizers())],
+        "numel": {"dense": sum(p.numel() for p in params) - sum(p.numel() for p in expert),
+                  "expert": sum(p.numel() for p in expert)},
+        "step_resident": steps,
+        "checkpoints": checkpoints,
+    }  # fmt: skip
+
+
+def _count_checkpoints() -> list[int]:
+    """From here on, count megatron's activation checkpoints (``tensor_parallel.checkpoint``, which megatron's and
+    MindSpeed's ``_checkpointed_forward`` call once per recomputed chunk of layers); the list's one item grows."""
+    from megatron.core import tensor_parallel
+
+    count, checkpoint = [0], tensor_parallel.checkpoint
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return checkpoint(*args, **kwargs)
+
+    tensor_parallel.checkpoint = counting
+    return count
+
+
+worker.EXTRA_JOBS.update(count=count_fused_ops, describe=describe, layout=layout)
 
 
 # ----------------------------------------------------------------------------------------------- the old engine

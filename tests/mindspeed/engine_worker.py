@@ -327,6 +327,21 @@ def run_old_case(case: str, out: Path, rank: int, world: int) -> None:
     torch.save(result, out / f"{case}.rank{rank}.pt")
 
 
+def launch_worlds(out: Path, worlds: list[tuple[int, list[str]]], timeout_s: float) -> None:
+    """The test side: run this worker's ``cases`` at each (world size, cases), in order, on the emulated NPU."""
+    import pytest
+
+    from tests.integration.launch import launch_ranks
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("GSPO_DEVICE_SHIM", "1")  # trainer.device=npu is the emulated NPU
+        env.setenv("TORCH_EXTENSIONS_DIR", str(out / "torch_extensions"))  # MindSpeed creates it at import
+        for world, cases in worlds:
+            launch_ranks(
+                world, [__file__, "--cases", ",".join(cases), "--out", str(out)], f"world{world}", out, timeout_s
+            )
+
+
 def main() -> None:
     import argparse
     import os

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.integration.launch import launch_ranks, rank_results
+from tests.integration.launch import rank_results
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,7 +35,6 @@ pytestmark = [
     ),
 ]
 
-WORKER = Path(__file__).with_name("engine_worker.py")
 TIMEOUT_S = 300
 # bf16 (MC2 takes no fp32): log-probs of MC2 vs the same layout without it measured 8.3e-3 at most, each vs the fp32
 # HF model 1.0e-2 (bf16's 2**-8 relative step on logits of ~5); the update's gradient norm 1.2e-4 and 2.8e-3
@@ -96,12 +94,7 @@ def run(tmp_path_factory):
     old = _old_commit_present()
     one = [c for c in ONE_PROCESS if old or not c.startswith("old_")]
     two = [c for c in TWO_PROCESSES if old or not c.startswith("old_")]
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("GSPO_DEVICE_SHIM", "1")  # trainer.device=npu is the emulated NPU
-        env.setenv("TORCH_EXTENSIONS_DIR", str(out / "torch_extensions"))  # MindSpeed creates it at import
-        for world, cases in ((1, one), (2, two)):
-            argv = [str(WORKER), "--cases", ",".join(cases), "--out", str(out)]
-            launch_ranks(world, argv, f"world{world}", out, TIMEOUT_S)
+    engine_worker.launch_worlds(out, [(1, one), (2, two)], TIMEOUT_S)
     return out, rank_results(out)
 
 

@@ -46,12 +46,11 @@ process where MindSpeed is imported, and vLLM's TP group sharing ranks with mega
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.launch import launch_ranks, rank_results
+from tests.integration.launch import rank_results
 
 pytestmark = [
     pytest.mark.slow,
@@ -61,7 +60,6 @@ pytestmark = [
     ),
 ]
 
-WORKER = Path(__file__).with_name("engine_worker.py")
 TIMEOUT_S = 300
 CASE, BF16, REFERENCE = "ms_moe_layout", "ms_moe_layout_bf16", "fsdp_moe_kv2"
 # bytes per parameter by part (engines/megatron_offload.py): the parameters in the model's dtype, float32 gradient
@@ -81,12 +79,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mindspeed_layout")
     worker.make_batches(out / "batches.pt")
     engine_worker.make_moe_kv2_model(out)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("GSPO_DEVICE_SHIM", "1")  # trainer.device=npu is the emulated NPU
-        env.setenv("TORCH_EXTENSIONS_DIR", str(out / "torch_extensions"))  # MindSpeed creates it at import
-        for world, cases in ((1, [REFERENCE]), (4, [CASE, BF16])):
-            argv = [str(WORKER), "--cases", ",".join(cases), "--out", str(out)]
-            launch_ranks(world, argv, f"world{world}", out, TIMEOUT_S)
+    engine_worker.launch_worlds(out, [(1, [REFERENCE]), (4, [CASE, BF16])], TIMEOUT_S)
     return out, rank_results(out)
 
 

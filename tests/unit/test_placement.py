@@ -23,6 +23,7 @@ from gspo_ascend.placement import (
     rank_bundles,
 )
 from tests.conftest import REPO
+from tests.unit.fake_ray import ray_modules
 
 A, B = "a" * 56, "b" * 56
 NODES = {A: (A, "10.0.0.1"), B: (B, "10.0.0.2")}
@@ -205,24 +206,12 @@ def _fake_ray(bundle_nodes: dict[int, str], scheduled: list[int]) -> dict[str, t
     ray.get = lambda ref: [r.value for r in ref] if isinstance(ref, list) else ref.value
     ray.remote = lambda cls: SimpleNamespace(options=options)
     ray.kill = lambda actor: None
-    exceptions = types.ModuleType("ray.exceptions")
-    exceptions.RayActorError = type("RayActorError", (Exception,), {})
-    pg = types.ModuleType("ray.util.placement_group")
-    pg.placement_group = lambda bundles, strategy: SimpleNamespace(ready=lambda: "ready")
-    pg.placement_group_table = lambda group: {"bundles_to_node_id": dict(bundle_nodes)}
-    pg.remove_placement_group = lambda group: scheduled.append("removed")
-    strategies = types.ModuleType("ray.util.scheduling_strategies")
-    strategies.PlacementGroupSchedulingStrategy = lambda group, placement_group_bundle_index: (
-        placement_group_bundle_index
+    return ray_modules(
+        ray,
+        bundle_nodes=bundle_nodes,
+        strategy=lambda group, placement_group_bundle_index: placement_group_bundle_index,
+        removed=lambda group: scheduled.append("removed"),
     )
-    util = types.ModuleType("ray.util")
-    return {
-        "ray": ray,
-        "ray.exceptions": exceptions,
-        "ray.util": util,
-        "ray.util.placement_group": pg,
-        "ray.util.scheduling_strategies": strategies,
-    }
 
 
 def _worker_group(monkeypatch, tmp_path, bundle_nodes, **overrides):

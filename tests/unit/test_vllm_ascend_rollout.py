@@ -22,6 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.unit.fake_ray import ray_modules
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -218,22 +220,9 @@ def _fake_ray(captured: list[dict]) -> dict[str, types.ModuleType]:
     ray.cluster_resources = lambda: {"CPU": 2.0, "NPU": 2.0}
     ray.wait = lambda refs, timeout, num_returns=1: (refs, [])
     ray.get = lambda ref: [r.value for r in ref] if isinstance(ref, list) else getattr(ref, "value", ref)
-    exceptions = types.ModuleType("ray.exceptions")
-    exceptions.RayActorError = type("RayActorError", (Exception,), {})
     ray.remote = lambda cls: actor
-    pg = types.ModuleType("ray.util.placement_group")
-    pg.placement_group = lambda bundles, strategy: SimpleNamespace(ready=lambda: "ready")
-    pg.placement_group_table = lambda group: {"bundles_to_node_id": {}}  # no node known: rank = bundle
-    strategies = types.ModuleType("ray.util.scheduling_strategies")
-    strategies.PlacementGroupSchedulingStrategy = lambda *a, **k: None
-    util = types.ModuleType("ray.util")
-    return {
-        "ray": ray,
-        "ray.exceptions": exceptions,
-        "ray.util": util,
-        "ray.util.placement_group": pg,
-        "ray.util.scheduling_strategies": strategies,
-    }
+    # no node known: rank = bundle
+    return ray_modules(ray, bundle_nodes={}, strategy=lambda *a, **k: None)
 
 
 def _start_actor_process(env_vars: dict[str, str], tmp_path) -> str:

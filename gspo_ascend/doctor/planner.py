@@ -252,17 +252,42 @@ def kv_bytes_per_token(cfg, spec: ModelSpec) -> int:
     return 2 * spec.layers * kv * spec.head_dim * ELEMENT_BYTES[cfg.model.dtype]
 
 
-def rollout_phase(cfg, spec: ModelSpec, hbm_bytes: int, train: Phase) -> tuple[Phase, int]:
-    budget = int(cfg.rollout.gpu_memory_utilization * hbm_bytes)
+# HCCL's default HCCL_BUFFSIZE (MB; env/npu does not set it); each communicator holds 2 x this on every member
+# (../shared/reference/npu_api.md). HCCL creates a communicator on a group's first collective.
+HCCL_BUFFSIZE_MB = 200
+
+
+def vllm_ascend_non_torch(cfg, hw: Profile) -> tuple[int, int]:
+    """(runtime reservation, communicator buffers) that vllm-ascend 0.11 charges to its budget: its
+    ``determine_available_memory`` (worker_v1.py) adds every byte used on the device but not by torch
+    (``mem_get_info`` used - torch's allocated) to its profiled peak, so the runtime's reservation and the
+    buffers of the communicators alive when it profiles come out of the KV cache. Alive then: the trainer's world
+    group (barriers at start) and vLLM's TP group (all-reduces in the profiling forward). vLLM on CUDA charges only
+    what grows during its own profiling: (0, 0)."""
+    if hw.platform != "npu":
+        return 0, 0
+    communicators = 1 + (cfg.rollout.tensor_parallel_size > 1)
+    return hw.reserved_mib * 2**20, communicators * 2 * HCCL_BUFFSIZE_MB * 2**20
+
+
+def rollout_phase(cfg, spec: ModelSpec, hw: Profile, train: Phase) -> tuple[Phase, int]:
+    budget = int(cfg.rollout.gpu_memory_utilization * hw.hbm_mib * 2**20)
     weights, workspace = rollout_weights(cfg, spec), rollout_workspace(cfg, spec)
     residue = 0 if cfg.actor.offload else static_bytes(train)
-    kv_cache = budget - weights - workspace
+    runtime, comms = vllm_ascend_non_torch(cfg, hw)
+    kv_cache = budget - weights - workspace - runtime - comms
     parts = {"actor state": residue, "weights": weights, "workspace": workspace, "kv cache": kv_cache}
     kept = "offloaded to host (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer stay"
     notes = {
         "actor state": kept,
         "kv cache": f"gpu_memory_utilization {cfg.rollout.gpu_memory_utilization} x HBM - weights - workspace",
     }
+    if runtime or comms:  # the runtime's reservation is outside usable memory already: not a part of this phase
+        parts = {**parts, "hccl buffers": comms}
+        notes["kv cache"] += f" - runtime {runtime / GIB:.1f} GiB - HCCL buffers (vllm-ascend counts non-torch memory)"
+        notes["hccl buffers"] = (
+            f"{1 + (cfg.rollout.tensor_parallel_size > 1)} communicator(s) x 2 x {HCCL_BUFFSIZE_MB} MB"
+        )
     phase = Phase("rollout", f"every device, vLLM TP {cfg.rollout.tensor_parallel_size}", parts, notes)
     return phase, max(kv_cache, 0) // kv_bytes_per_token(cfg, spec)
 
@@ -317,7 +342,7 @@ def _pressures(cfg, train: Phase, rollout: Phase, sync: Phase, kv_tokens: int, u
 def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
     usable = (hw.hbm_mib - hw.reserved_mib) * 2**20
     train = train_phase(cfg, spec)
-    rollout, kv_tokens = rollout_phase(cfg, spec, hw.hbm_mib * 2**20, train)
+    rollout, kv_tokens = rollout_phase(cfg, spec, hw, train)
     sync = sync_phase(cfg, spec, train)
     p_train, p_roll, p_kv, p_sync = _pressures(cfg, train, rollout, sync, kv_tokens, usable)
     lay = layout(cfg)

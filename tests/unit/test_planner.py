@@ -100,11 +100,15 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     assert p.rollout.parts["weights"] == 15_285_252_096
     # workspace: 8192 batched tokens x 2 B x (4h + 3 x 8 x 768 / 4) = 209,715,200
     assert p.rollout.parts["workspace"] == 209_715_200
-    # KV cache = 0.5 x 64 GiB - weights - workspace = 34,359,738,368 - 15,285,252,096 - 209,715,200
-    assert p.rollout.parts["kv cache"] == 18_864_771_072
-    # per token: 2 (K, V) x 48 layers x 1 KV head (4/TP4) x 128 x 2 B = 24,576 -> 767,609 tokens (93.7 x 8192)
-    assert p.kv_tokens == 767_609
-    assert p.rollout.parts["actor state"] == 0 and p.rollout.total == 34_359_738_368  # offloaded
+    # KV cache = 0.5 x 64 GiB - weights - workspace - what vllm-ascend counts as non-torch memory: the runtime's
+    # 4096 MiB and 2 HCCL communicators (world, rollout TP) x 2 x 200 MiB = 838,860,800
+    # = 34,359,738,368 - 15,285,252,096 - 209,715,200 - 4,294,967,296 - 838,860,800
+    assert p.rollout.parts["hccl buffers"] == 838_860_800
+    assert p.rollout.parts["kv cache"] == 13_730_942_976
+    # per token: 2 (K, V) x 48 layers x 1 KV head (4/TP4) x 128 x 2 B = 24,576 -> 558,713 tokens (68.2 x 8192)
+    assert p.kv_tokens == 558_713
+    # offloaded; the runtime's 4 GiB is outside usable already: 0.5 x 64 GiB - 4 GiB
+    assert p.rollout.parts["actor state"] == 0 and p.rollout.total == 30_064_771_072
     # sync: the trainer's bf16 parameters only (offload), vLLM's weights (KV asleep), and the export's transient:
     # a layer's 128 experts gathered and fused, 2 x 2 B x 603,979,776 = 2,415,919,104 (> the 311,164,928 embedding)
     assert p.sync.parts == {"actor state": 7_642_628_096, "export": 2_415_919_104, "rollout": 15_285_252_096}
@@ -144,7 +148,7 @@ def test_qwen3_30b_a3b_without_offload_does_not_fit_rollout():
     p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false")
     # weights + fp32 grads + optimizer stay during rollout: 45,855,768,576 + vLLM's 0.5 x 64 GiB = 80,215,506,944
     assert p.rollout.parts["actor state"] == 45_855_768_576
-    assert p.rollout.total == 80_215_506_944
+    assert p.rollout.total == 80_215_506_944 - 4_294_967_296  # the runtime's 4 GiB is outside usable
     # and during the sync: + export 2,415,919,104 + vLLM weights 15,285,252,096 = 63,556,939,776 (tight)
     assert p.sync.total == 63_556_939_776 and p.sync_verdict == "tight"
     assert p.rollout_verdict == "OOM" and p.verdict == "OOM"
@@ -191,10 +195,11 @@ def test_qwen25_3b_fsdp_on_a2():
     # rollout TP2: 36 x (4,719,872 + 4,096 + 33,816,576) + 311,164,928/2 + 2,048 = 1,543,044,096 params x 2 B
     assert p.rollout.parts["weights"] == 3_086_088_192
     assert p.rollout.parts["workspace"] == 404_750_336  # 8192 x 2 x (4h + 3 x 11008 / 2)
-    # 0.75 x 64 GiB - weights - workspace; per token 2 x 36 x 1 x 128 x 2 = 18,432 B -> 2,606,812 tokens
-    assert p.rollout.parts["kv cache"] == 48_048_769_024 and p.kv_tokens == 2_606_812
-    # the actor's 6,171,877,376 B stay (no offload): 57,711,484,928 <= 0.9 x usable = 57,982,058,496
-    assert p.rollout.total == 57_711_484_928 and p.verdict == "fits"
+    # 0.75 x 64 GiB - weights - workspace - runtime 4 GiB - 2 HCCL communicators x 400 MiB;
+    # per token 2 x 36 x 1 x 128 x 2 = 18,432 B -> 2,328,284 tokens
+    assert p.rollout.parts["kv cache"] == 42_914_940_928 and p.kv_tokens == 2_328_284
+    # the actor's 6,171,877,376 B stay (no offload): 53,416,517,632 <= 0.9 x usable = 57,982,058,496
+    assert p.rollout.total == 53_416_517_632 and p.verdict == "fits"
     assert "training peak by actor.use_distributed_optimizer" not in p.variants
 
 

@@ -67,6 +67,12 @@ def megatron_groups(sizes: Mapping[str, int], token: str, order: str = ORDER) ->
     return orthogonal_groups([sizes[n] for n in names], [n == token for n in names])
 
 
+def consecutive_groups(world: int, size: int) -> list[list[int]]:
+    """Blocks of ``size`` consecutive ranks: the fsdp engine's Ulysses groups (the rows of its (world/SP, SP) device
+    mesh) and vLLM's rollout TP groups (engines/vllm_rollout.py ``rollout_tp_groups``: TP innermost)."""
+    return [list(range(g, g + size)) for g in range(0, world, size)]
+
+
 def node_local_groups(cfg: Config, world: int, train: bool = True) -> list[tuple[str, str, list[list[int]]]]:
     """(what, config key, groups) for every group of more than one rank that must lie within one node. A layout
     the sizes do not divide is left out: the engine building it names that problem itself."""
@@ -90,14 +96,11 @@ def node_local_groups(cfg: Config, world: int, train: bool = True) -> list[tuple
     sp = a.ulysses_sequence_parallel_size
     if train and a.engine == "fsdp" and world % sp == 0:
         key = "actor.ulysses_sequence_parallel_size"
-        out.append(("Ulysses sequence-parallel", key, [list(range(g, g + sp)) for g in range(0, world, sp)]))
+        out.append(("Ulysses sequence-parallel", key, consecutive_groups(world, sp)))
     rollout_tp = cfg.rollout.tensor_parallel_size
     if cfg.rollout.engine == "vllm" and world % rollout_tp == 0:
-        from .engines.vllm_rollout import rollout_tp_groups  # imports torch: only when a run starts
-
-        out.append(
-            ("vLLM rollout tensor-parallel", "rollout.tensor_parallel_size", rollout_tp_groups(world, rollout_tp))
-        )
+        key = "rollout.tensor_parallel_size"
+        out.append(("vLLM rollout tensor-parallel", key, consecutive_groups(world, rollout_tp)))
     return [(what, key, groups) for what, key, groups in out if groups and len(groups[0]) > 1]
 
 

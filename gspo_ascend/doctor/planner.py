@@ -161,7 +161,7 @@ def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
     embed = spec.embedding_params // lay.tp
     dense += (embed if first else 0) + ((spec.hidden + (embed if not spec.tied or lay.pp > 1 else 0)) if last else 0)
     experts = sum(spec.expert_params(i) for i in layers) // (lay.ep * lay.etp)
-    opt = _optimizer_bytes_per_param(cfg)
+    opt, grad = _optimizer_bytes_per_param(cfg), grad_bytes_per_param(e)
     distributed = cfg.actor.use_distributed_optimizer
     optimizer = (
         opt * (-(-dense // (lay.dp * lay.cp)) + -(-experts // lay.edp)) if distributed else opt * (dense + experts)
@@ -171,7 +171,7 @@ def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
     inflight = max(min(lay.pp - stage, n_micro), 1)
     parts = {
         "weights": e * (dense + experts),
-        "gradients": grad_bytes_per_param(e, distributed) * (dense + experts),
+        "gradients": grad * (dense + experts),
         "optimizer": optimizer,
         "activations": activations(cfg, spec, layers, lay.tp, inflight),
         "logits": logits_bytes(cfg, spec, lay.tp) if last else 0,
@@ -179,7 +179,7 @@ def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
     shard = f"/ DP x CP {lay.dp * lay.cp} (experts / expert-DP {lay.edp})" if distributed else "not sharded"
     notes = {
         "weights": f"{dense:,} dense + {experts:,} expert params on this device",
-        "gradients": f"{grad_bytes_per_param(e, distributed)} B/param (fp32: the engine's DDP setting)",
+        "gradients": f"{grad} B/param ({'fp32' if grad == 4 else 'model dtype'}: the engine's DDP setting)",
         "optimizer": f"{opt} B/param {shard}",
         "activations": f"{len(layers)} layers x {inflight} micro-batch(es) of {micro_tokens(cfg)} tokens, "
         f"recompute {recompute_mode(cfg)}, {FUSED_ATTENTION_NOTE}",
@@ -285,9 +285,7 @@ def rollout_phase(cfg, spec: ModelSpec, hw: Profile, train: Phase) -> tuple[Phas
     if runtime or comms:  # the runtime's reservation is outside usable memory already: not a part of this phase
         parts = {**parts, "hccl buffers": comms}
         notes["kv cache"] += f" - runtime {runtime / GIB:.1f} GiB - HCCL buffers (vllm-ascend counts non-torch memory)"
-        notes["hccl buffers"] = (
-            f"{1 + (cfg.rollout.tensor_parallel_size > 1)} communicator(s) x 2 x {HCCL_BUFFSIZE_MB} MB"
-        )
+        notes["hccl buffers"] = f"{comms // (2 * HCCL_BUFFSIZE_MB * 2**20)} communicator(s) x 2 x {HCCL_BUFFSIZE_MB} MB"
     phase = Phase("rollout", f"every device, vLLM TP {cfg.rollout.tensor_parallel_size}", parts, notes)
     return phase, max(kv_cache, 0) // kv_bytes_per_token(cfg, spec)
 

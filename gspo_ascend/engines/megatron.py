@@ -106,7 +106,7 @@ from gspo_ascend.engines.megatron_compat import (
     patch_megatron_core,
     uses_decoupled_grads,
 )
-from gspo_ascend.engines.megatron_offload import OFFLOAD_PARTS, Offload, offload_parts
+from gspo_ascend.engines.megatron_offload import OFFLOAD_PARTS, Offload, part_bytes
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
     MinibatchRecord,
@@ -512,7 +512,7 @@ class MegatronEngine:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of each offloadable part on the device now (every part when actor.offload is off)."""
         if self._offload is None:
-            return {part: sum(t.untyped_storage().nbytes() for t in ts) for part, ts in offload_parts(self).items()}
+            return part_bytes(self)
         return self._offload.resident_bytes()
 
     def close(self) -> None:

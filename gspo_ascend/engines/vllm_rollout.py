@@ -197,7 +197,9 @@ def rollout_tp_groups(world_size: int, tp: int) -> list[list[int]]:
             f"config key 'rollout.tensor_parallel_size' ({tp}) must divide the number of workers "
             f"({world_size} = trainer.nnodes x trainer.devices_per_node)"
         )
-    return [list(range(g * tp, (g + 1) * tp)) for g in range(world_size // tp)]
+    from ..placement import consecutive_groups  # torch-free; placement checks the same groups against nodes
+
+    return consecutive_groups(world_size, tp)
 
 
 def split_rollout_prompts(

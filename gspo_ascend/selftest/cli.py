@@ -111,24 +111,11 @@ def _build_ops_only(backend, as_json: bool) -> int:
     from . import report
     from .mindspeed_build import FIX, check_mindspeed_ops
 
-    with _stdout_to_stderr():  # MindSpeed's builder and ninja print the compile log on stdout
+    # MindSpeed's builder and ninja (a child process) print the compile log on stdout: file descriptor 1 onto 2
+    with report.output_to(Path("/dev/fd/2")):
         result = report.run_check("setup/mindspeed_ops", lambda: check_mindspeed_ops(backend), FIX)
     print(report.render_json([result]) if as_json else report.render_line(result), flush=True)
     return report.exit_code([result])
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """File descriptor 1 onto 2 for the block (ninja is a child process: redirecting ``sys.stdout`` would miss it)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 @contextlib.contextmanager

@@ -201,7 +201,9 @@ def offload_round_trip(engine, batch: SampleBatch) -> dict:
     phases["after_export"] = engine.resident_bytes()
     loss, seen = engine.policy_loss, []
     engine.policy_loss = lambda *a, **k: seen.append(engine.resident_bytes()) or loss(*a, **k)
-    sizes = [t.untyped_storage().nbytes() for part in ("grads", "params") for t in engine._offload._flat(part)]
+    from gspo_ascend.engines.megatron_offload import offload_parts
+
+    sizes = [t.untyped_storage().nbytes() for flat, _ in offload_parts(engine).values() for t in flat]
     return {"log_probs": log_probs, "offloaded_bytes": sizes, "phases": phases, "update_phase": seen}
 
 

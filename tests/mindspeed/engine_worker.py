@@ -87,11 +87,16 @@ def make_wide_model(out: Path) -> None:
     )
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _round_to_bf16(model)
+    model.save_pretrained(out / WIDE_DIR)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out / WIDE_DIR)
+
+
+def _round_to_bf16(model) -> None:
+    """Weights rounded to bf16, kept in fp32: a bf16 engine loads them exactly, the fp32 references see the same."""
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    model.save_pretrained(out / WIDE_DIR)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out / WIDE_DIR)
 
 
 def make_moe_kv2_model(out: Path) -> None:
@@ -105,9 +110,7 @@ def make_moe_kv2_model(out: Path) -> None:
 
     made = make_kv2_model(worker.ensure_tiny_model(moe=True), out / "moe_kv2_build")
     model = AutoModelForCausalLM.from_pretrained(made, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+    _round_to_bf16(model)
     model.save_pretrained(made)
     made.rename(out / MOE_KV2_DIR)
 

@@ -65,6 +65,17 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters() if p.grad is not None}
 
 
+def parked_engine(model_path: str, *overrides: str):
+    """An engine with actor.offload driven through a lossless float32 (device) / float64 (host) round trip: on a CPU
+    box host == device, so the same Module.to / optimizer-state moves are made visible by dtype. Parked on the host."""
+    engine = make_engine(model_path, "actor.offload=true", *overrides)
+    assert engine._offload_to is None  # nothing to do on the CPU backend
+    engine._onload_to, engine._offload_to = {"dtype": torch.float32}, {"dtype": torch.float64}
+    for part in FSDP_PARTS:
+        engine._place(part, device=False)
+    return engine
+
+
 def rollout(model_path: str, n: int, seed: int, noise: float = 1e-4) -> SampleBatch:
     """A batch whose old_log_probs are the initial policy's (independent reference) plus small noise."""
     batch = make_batch(n, R, seed)
@@ -417,14 +428,8 @@ def test_save_hf_loads_with_identical_logits(model_path, tmp_path):
 
 
 def test_offload_round_trip_between_calls_changes_nothing(model_path):
-    # on a CPU box host == device, so the offload path is driven with a lossless float32 <-> float64 round trip
-    # through the same Module.to / optimizer-state moves a device <-> host offload uses
     b1, b2 = rollout(model_path, 8, seed=60), rollout(model_path, 8, seed=61)
-    plain, offloaded = make_engine(model_path), make_engine(model_path, "actor.offload=true")
-    assert offloaded._offload_to is None  # nothing to do on the CPU backend
-    offloaded._onload_to, offloaded._offload_to = {"dtype": torch.float32}, {"dtype": torch.float64}
-    for part in FSDP_PARTS:
-        offloaded._place(part, device=False)
+    plain, offloaded = make_engine(model_path), parked_engine(model_path)
     for engine in (plain, offloaded):
         engine.compute_log_probs(b1, 1.0)
         engine.update(b1, 1.0)
@@ -440,10 +445,7 @@ def test_offload_brings_up_only_the_parameters_for_a_weight_export(model_path):
     """Issue #25: the sync runs beside the rollout engine's weights, so an export must not bring the optimizer
     state (2x the parameters) to the device. Measured by dtype: the test's device is float32, the host float64
     (the round trip of the test above), so where each tensor is can be read off it."""
-    engine = make_engine(model_path, "actor.offload=true", "algorithm.kl_coef=0.1")
-    engine._onload_to, engine._offload_to = {"dtype": torch.float32}, {"dtype": torch.float64}
-    for part in FSDP_PARTS:
-        engine._place(part, device=False)
+    engine = parked_engine(model_path, "algorithm.kl_coef=0.1")
     batch = rollout(model_path, 8, seed=62)
     engine.update(batch, 1.0)
 

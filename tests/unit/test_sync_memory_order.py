@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from gspo_ascend.engines.fsdp import FSDP_PARTS
 from gspo_ascend.engines.vllm_rollout import VLLMRolloutEngine
 from gspo_ascend.workers import PolicyWorker
-from tests.unit.test_fsdp_engine import make_engine, model_path, rollout  # noqa: F401  (model_path: a fixture)
+from tests.unit.test_fsdp_engine import model_path, parked_engine, rollout  # noqa: F401  (model_path: a fixture)
 
 TAGS = {"weights", "kv_cache"}
 
@@ -63,17 +62,15 @@ def rollout_side() -> VLLMRolloutEngine:
 
 
 def test_the_sync_has_only_the_weights_of_both_sides_on_the_device(model_path):  # noqa: F811
-    train = make_engine(model_path, "actor.offload=true")
-    train._onload_to, train._offload_to = {"dtype": torch.float32}, {"dtype": torch.float64}
-    for part in FSDP_PARTS:
-        train._place(part, device=False)
+    train = parked_engine(model_path)
     seen = []
     export = train.export_weights
 
     def watched_export():
         for name, tensor in export():
-            seen.append((set(worker.rollout_engine.llm.mapped), {p.dtype for p in train.model.parameters()}))
-            seen[-1][1].update({s["exp_avg"].dtype for s in train.optimizer.state.values()})
+            params = {p.dtype for p in train.model.parameters()}
+            optimizer = {s["exp_avg"].dtype for s in train.optimizer.state.values()}
+            seen.append((set(worker.rollout_engine.llm.mapped), (params, optimizer)))
             yield name, tensor
 
     worker = object.__new__(PolicyWorker)
@@ -85,7 +82,7 @@ def test_the_sync_has_only_the_weights_of_both_sides_on_the_device(model_path): 
     # while the train engine exported: the rollout's weights mapped, its KV cache not; the trainer's parameters up
     # (float32), its optimizer state still on the host (float64)
     assert seen and all(mapped == {"weights"} for mapped, _ in seen)
-    assert all(dtypes == {torch.float32, torch.float64} for _, dtypes in seen)
+    assert all(where == ({torch.float32}, {torch.float64}) for _, where in seen)
     llm = worker.rollout_engine.llm
     assert llm.during_load and all(tags == {"weights"} for tags in llm.during_load)
     # after: the rollout engine wholly asleep (not left half awake by an ignored sleep), the trainer parked

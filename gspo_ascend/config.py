@@ -6,6 +6,9 @@ Loading is strict, unlike verl's Hydra setup where a stale key fails deep inside
 closest valid one, a wrong type names the key, the expected type and the value. Cross-field rules are
 registered with :func:`validator` so later subsystems (batching, parallelism, preflight) add their own.
 
+One file, over 600 lines: the schema and its cross-field rules are read together, and a rule next to its keys is
+what keeps them true.
+
 Defaults are the GSPO paper's (arXiv 2507.18071): clip ratios 3e-4 / 4e-4, the rollout batch split into 4
 minibatches (``actor.ppo_mini_batch_size = data.train_batch_size / 4``), no KL term, loss aggregation
 seq-mean-token-mean. Sizes default to the embedded CPU demo; cluster scripts override them.
@@ -155,6 +158,28 @@ class ValidationConfig:
 
 
 @dataclass
+class PartialRolloutConfig:
+    """Partial rollout (gspo_ascend/partial_rollout.py, docs/partial-rollout.md): generation in rounds of at most
+    ``round_tokens`` tokens; unfinished samples continue in the next step's round."""
+
+    round_tokens: int | None = None  # token budget per generate round; null = off (one round, as synchronous)
+    max_rounds: int = 2  # a sample is forced to finish in its max_rounds-th round (version lag <= max_rounds - 1)
+    extra_groups: int | None = None  # prompt groups in flight beyond data.train_batch_size; null = the most allowed
+    # pi_old of stale samples: auto = seq_tis with algorithm.old_logprobs=recompute, none with =engine (the
+    # rollout engine's log-probs are the behaviour policy); seq_tis = the capped sequence weight (algorithms/behavior)
+    behavior_correction: Literal["auto", "seq_tis", "none"] = "auto"
+    behavior_cap: float = 2.0  # truncation of the behaviour weight
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """Drop groups whose n rewards are all equal and draw replacements (verl's DAPO ``filter_groups``)."""
+
+    enabled: bool = False
+    max_draws: int = 10  # rollout batches of prompts drawn per step at most, the first included (max_num_gen_batches)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -164,6 +189,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 # ----------------------------------------------------------------------------------------------- schema walk
@@ -560,3 +587,63 @@ def _rollout_tensor_parallel(cfg: Config) -> Iterable[str]:
             f"config key 'data.train_batch_size' ({cfg.data.train_batch_size}) must be a multiple of the number of "
             f"rollout groups ({world // tp} = devices / rollout.tensor_parallel_size)"
         )
+
+
+@validator
+def _partial_rollout(cfg: Config) -> Iterable[str]:
+    p, d = cfg.partial_rollout, cfg.dynamic_sampling
+    if p.round_tokens is None:  # off: the other keys would do nothing
+        default = PartialRolloutConfig()
+        for key in ("max_rounds", "extra_groups", "behavior_correction", "behavior_cap"):
+            if getattr(p, key) != getattr(default, key):
+                yield f"config key 'partial_rollout.{key}' has no effect without 'partial_rollout.round_tokens'; set it"
+    else:
+        yield from _partial_rollout_values(cfg)
+    if not d.enabled and d.max_draws != DynamicSamplingConfig().max_draws:
+        yield "config key 'dynamic_sampling.max_draws' has no effect without 'dynamic_sampling.enabled=true'"
+    if d.max_draws < 1:
+        yield f"config key 'dynamic_sampling.max_draws' must be >= 1 (the first batch counts), got {d.max_draws}"
+
+
+def _partial_rollout_values(cfg: Config) -> Iterable[str]:
+    p = cfg.partial_rollout
+    if p.round_tokens < 1:
+        yield f"config key 'partial_rollout.round_tokens' must be >= 1 or null (off), got {p.round_tokens}"
+        return
+    if p.max_rounds < 1:
+        yield f"config key 'partial_rollout.max_rounds' must be >= 1, got {p.max_rounds}"
+        return
+    most = max_extra_groups(cfg)
+    if p.extra_groups is not None and not 0 <= p.extra_groups <= most:
+        yield (
+            f"config key 'partial_rollout.extra_groups' must be in [0, {most}] ((rounds - 1) x data.train_batch_size: "
+            f"more groups in flight would train samples more than max_rounds - 1 versions old), got {p.extra_groups}"
+        )
+    if p.behavior_correction == "seq_tis" and cfg.algorithm.old_logprobs == "engine":
+        yield (
+            "config key 'partial_rollout.behavior_correction=seq_tis' needs 'algorithm.old_logprobs=recompute' (with "
+            "=engine the engine's log-probs are pi_old and there is nothing to correct); use auto or none"
+        )
+    if p.behavior_cap < 1:
+        yield f"config key 'partial_rollout.behavior_cap' must be >= 1, got {p.behavior_cap}"
+
+
+def max_extra_groups(cfg: Config) -> int:
+    """(rounds a sample can take - 1) x data.train_batch_size: the groups in flight beyond a batch that keep every
+    trained token within max_rounds - 1 versions (partial_rollout.py)."""
+    p, width = cfg.partial_rollout, cfg.data.max_response_length
+    return (effective_rounds(p.round_tokens or width, p.max_rounds, width) - 1) * cfg.data.train_batch_size
+
+
+def effective_rounds(round_tokens: int, max_rounds: int, width: int) -> int:
+    """Rounds a sample can really take: no more than ``ceil(width / round_tokens)`` (each non-final round adds a
+    full budget), so a budget of at least the response length means one round."""
+    return max(1, min(max_rounds, -(-width // max(round_tokens, 1))))
+
+
+def behavior_correction(cfg: Config) -> str:
+    """``partial_rollout.behavior_correction`` with auto resolved (see the key's comment)."""
+    mode = cfg.partial_rollout.behavior_correction
+    if mode != "auto":
+        return mode
+    return "seq_tis" if cfg.algorithm.old_logprobs == "recompute" else "none"

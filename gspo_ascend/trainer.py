@@ -29,7 +29,7 @@ import torch
 
 from . import validation
 from .algorithms import grpo_advantages
-from .config import Config, to_dict
+from .config import Config, behavior_correction, to_dict
 from .engines import SampleBatch, SamplingParams
 from .errors import Stopped, UserError
 from .preempt import GracefulStop
@@ -109,14 +109,21 @@ def _stopped_message(run: Run, last: int) -> str:
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, Timer()
-    prompts = next_prompts(run)
-    with timer("rollout"):
-        batch = rollout(run, prompts, step)
-    with timer("reward"):
-        rewards, metrics = score(run, batch, prompts, step)
+    versions = None  # each token's weights version, with partial rollout
+    if run.scheduler is None:
+        prompts = next_prompts(run)
+        with timer("rollout"):
+            batch = rollout(run, prompts, step)
+        with timer("reward"):
+            rewards, metrics = score(run, batch, prompts, step)
+        metrics["reward/zero_var_group_frac"] = zero_variance_share(rewards, batch.group_index)
+    else:
+        batch, rewards, versions, metrics = collect(run, step, timer)
     batch.advantages = grpo_advantages(rewards, batch.group_index, norm_by_std=cfg.algorithm.norm_adv_by_std)
     with timer("old_log_prob"):
         batch.old_log_probs = old_log_probs(run, batch)
+    if versions is not None and behavior_correction(cfg) == "seq_tis":
+        metrics |= correct_behavior(run, batch, versions < step - 1)
     with timer("update"):
         metrics |= run.workers.update(batch, cfg.rollout.temperature, cfg.algorithm.minibatches_per_rollout)
     with timer("sync"):
@@ -135,8 +142,12 @@ def next_prompts(run: Run) -> list[Any]:
 
 
 def rollout(run: Run, prompts: list[Any], step: int) -> SampleBatch:
+    return run.workers.generate([p.prompt_ids for p in prompts], rollout_params(run, step))
+
+
+def rollout_params(run: Run, step: int) -> SamplingParams:
     r = run.cfg.rollout
-    params = SamplingParams(
+    return SamplingParams(
         n=r.n,
         temperature=r.temperature,
         top_p=r.top_p,
@@ -144,7 +155,6 @@ def rollout(run: Run, prompts: list[Any], step: int) -> SampleBatch:
         max_new_tokens=run.cfg.data.max_response_length,
         seed=run.cfg.trainer.seed * 1_000_003 + step,  # a function of the step: resumed runs sample alike
     )
-    return run.workers.generate([p.prompt_ids for p in prompts], params)
 
 
 def score(run: Run, batch: SampleBatch, prompts: list[Any], step: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -180,6 +190,36 @@ def old_log_probs(run: Run, batch: SampleBatch) -> torch.Tensor:
     return run.workers.compute_log_probs(batch, run.cfg.rollout.temperature)
 
 
+def collect(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Partial rollout / dynamic sampling: rounds until the step's B oldest groups are finished and kept
+    (partial_rollout.py); scored as they finish. Returns the batch, its rewards, each token's version, metrics."""
+
+    def score_rows(batch: SampleBatch, rows: list[int], at_step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        return score(run, batch, [run.dataset[i] for i in rows], at_step)
+
+    got = run.scheduler.collect(step, rollout_params(run, step), run.workers.generate_requests, score_rows, timer)
+    return got.batch, got.rewards, got.versions, got.metrics
+
+
+def correct_behavior(run: Run, batch: SampleBatch, stale: torch.Tensor) -> dict[str, float]:
+    """Weigh samples with stale tokens by the capped sequence weight pi_prox / mu (algorithms/behavior.py), applied
+    to their advantages (exactly the weight on their clipped surrogate)."""
+    from .algorithms.behavior import behavior_weights
+
+    weights, metrics = behavior_weights(
+        batch.old_log_probs, batch.rollout_log_probs, stale, batch.response_mask, run.cfg.partial_rollout.behavior_cap
+    )
+    batch.advantages = batch.advantages * weights
+    return metrics
+
+
+def zero_variance_share(rewards: torch.Tensor, group_index: torch.Tensor) -> float:
+    """The share of groups whose rewards are all equal (zero advantage: the update learns nothing from them)."""
+    groups = group_index.unique()
+    flat = sum(1 for g in groups if rewards[group_index == g].unique().numel() == 1)
+    return flat / max(len(groups), 1)
+
+
 def batch_metrics(batch: SampleBatch) -> dict[str, float]:
     lengths = batch.response_lengths.float()
     mask = batch.response_mask.bool()
@@ -203,10 +243,12 @@ def batch_metrics(batch: SampleBatch) -> dict[str, float]:
 def start(run: Run) -> None:
     from .checkpoint import load_rng, load_trainer_state
     from .metrics import MetricsLogger
+    from .partial_rollout import build_scheduler, load_scheduler
     from .resume import load_failure
     from .workers import WorkerGroup
 
     run.workers = WorkerGroup(run.cfg, run.backend, run.model_path)
+    run.scheduler = build_scheduler(run.cfg, run.sampler, run.dataset)
     if run.resume_from is not None:
         state = load_trainer_state(run.resume_from)
         try:
@@ -215,6 +257,7 @@ def start(run: Run) -> None:
             raise load_failure(run.resume_from, exc) from None
         run.workers.sync_weights()  # the rollout engine still holds the initial weights
         run.sampler.load_state_dict(state["sampler"])
+        load_scheduler(run.scheduler, run.resume_from)
         load_rng(run.resume_from)
         run.start_step = int(state["step"])
         print(f"resumed from {run.resume_from} at step {run.start_step}", flush=True)
@@ -232,6 +275,7 @@ def start(run: Run) -> None:
 
 def save_checkpoint(run: Run, step: int) -> None:
     from .checkpoint import abort, begin, commit, save_rng
+    from .partial_rollout import STATE_FILE
     from .resume import state_record
     from .rundir import disk_full
 
@@ -239,6 +283,8 @@ def save_checkpoint(run: Run, step: int) -> None:
     try:
         run.workers.save_checkpoint(str(tmp / "engine"))
         save_rng(tmp)
+        if run.scheduler is not None:  # the groups in flight, every token of them: a resume continues them
+            torch.save(run.scheduler.state_dict(), tmp / STATE_FILE)
         state = {"step": step, "sampler": run.sampler.state_dict(), **state_record(run.cfg, run.model_path)}
         commit(tmp, step, state, keep_last=run.cfg.trainer.keep_last)
     except BaseException as exc:
@@ -323,9 +369,10 @@ class Timer:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        """Adds the time spent inside to stage ``name`` (a stage may run several times in a step: rounds)."""
         t0 = time.perf_counter()
         yield
-        self.spans[name] = time.perf_counter() - t0
+        self.spans[name] = self.spans.get(name, 0.0) + time.perf_counter() - t0
 
     def metrics(self, tokens: int) -> dict[str, float]:
         total = time.perf_counter() - self.start

@@ -23,7 +23,7 @@ from typing import Any
 
 from .cluster import ClusterWatch, placement_line
 from .config import Config, from_dict, to_dict
-from .engines import SampleBatch, SamplingParams
+from .engines import Request, SampleBatch, SamplingParams
 from .errors import UserError
 
 # what a worker process must see of the driver's environment (device selection, the shim, torch_npu guard)
@@ -80,6 +80,12 @@ class PolicyWorker:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> SampleBatch:
         self.rollout_engine.wake_up()
         batch = self.rollout_engine.generate(prompts, params)
+        self.rollout_engine.sleep()
+        return batch
+
+    def generate_requests(self, requests: list[Request], params: SamplingParams) -> SampleBatch:
+        self.rollout_engine.wake_up()
+        batch = self.rollout_engine.generate_requests(requests, params)
         self.rollout_engine.sleep()
         return batch
 
@@ -232,6 +238,24 @@ class WorkerGroup:
         shards = self._get([w.generate.remote(p, sp) for w, (p, sp) in zip(self.workers, parts, strict=True)])
         return gather_rollout_shards(shards, tp)
 
+    def generate_requests(self, requests: list[Request], params: SamplingParams) -> SampleBatch:
+        """Requests with their own budgets and seeds (partial_rollout.py), cut into one contiguous run per rollout
+        group with about equal samples each; every rank of a group gets its group's run. Samples keep request
+        order and ``group_index`` is the request's position in ``requests``."""
+        from .engines.vllm_rollout import rollout_tp_groups
+
+        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.engine == "vllm" else 1
+        groups = rollout_tp_groups(self.world_size, tp)
+        runs = balanced_runs([q.n for q in requests], len(groups))
+        calls = [
+            self.workers[r].generate_requests.remote(requests[a:b], params)
+            for (a, b), ranks in zip(runs, groups, strict=True)
+            for r in ranks
+        ]
+        done = self._get(calls)
+        parts = [done[g * tp].replace(group_index=done[g * tp].group_index + a) for g, (a, _) in enumerate(runs)]
+        return SampleBatch.concat(parts)
+
     def generate_each(
         self, requests: list[tuple[list[list[int]], SamplingParams]], on_done: Callable[[int], None] | None = None
     ) -> list[SampleBatch]:
@@ -298,6 +322,18 @@ class WorkerGroup:
             for w in self.workers:
                 ray.kill(w)
             remove_placement_group(self.pg)
+
+
+def balanced_runs(sizes: list[int], parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous index ranges ``[a, b)`` of ``sizes`` whose sums are as even as a contiguous cut allows:
+    range g ends at the first index where the running sum reaches ``(g + 1) / parts`` of the total."""
+    total, bounds, running = sum(sizes), [0], 0
+    for i, size in enumerate(sizes):
+        running += size
+        while len(bounds) < parts and running * parts >= total * len(bounds):
+            bounds.append(i + 1)
+    bounds += [len(sizes)] * (parts + 1 - len(bounds))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _wait_ready(pg, timeout_s: float) -> bool:

@@ -8,15 +8,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UserError
-from .base import RolloutEngine, SampleBatch, SamplingParams, TrainEngine
+from .base import Request, RolloutEngine, SampleBatch, SamplingParams, TrainEngine, requests_for
 
 __all__ = [
+    "Request",
     "RolloutEngine",
     "SampleBatch",
     "SamplingParams",
     "TrainEngine",
     "build_rollout_engine",
     "build_train_engine",
+    "requests_for",
 ]
 
 

@@ -20,7 +20,15 @@ from typing import Any, Protocol
 
 import torch
 
-TENSOR_FIELDS = ("response_ids", "response_mask", "rollout_log_probs", "old_log_probs", "advantages", "group_index")
+TENSOR_FIELDS = (
+    "response_ids",
+    "response_mask",
+    "rollout_log_probs",
+    "old_log_probs",
+    "advantages",
+    "group_index",
+    "finished",
+)
 
 
 @dataclass
@@ -32,6 +40,8 @@ class SampleBatch:
     old_log_probs: torch.Tensor | None = None  # [B, R] float32, pi_old (recomputed or = rollout_log_probs)
     advantages: torch.Tensor | None = None  # [B] float32, one per sequence (group-normalised reward)
     group_index: torch.Tensor | None = None  # [B] int64, which prompt a sample answers
+    # [B] bool: the engine ended the sample (EOS); False = it stopped at its token budget (max_new_tokens)
+    finished: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, r = self.response_ids.shape
@@ -82,6 +92,18 @@ class SampleBatch:
         return SampleBatch(**kwargs)
 
 
+def empty_batch(width: int, pad_id: int) -> SampleBatch:
+    """A batch of no samples and width ``width`` (a rollout group given no requests this round)."""
+    return SampleBatch(
+        prompt_ids=[],
+        response_ids=torch.full((0, width), pad_id, dtype=torch.long),
+        response_mask=torch.zeros(0, width),
+        rollout_log_probs=torch.zeros(0, width),
+        group_index=torch.zeros(0, dtype=torch.long),
+        finished=torch.zeros(0, dtype=torch.bool),
+    )
+
+
 def check_prompt_tokens(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
     """Every rollout engine refuses empty prompts and ids outside the vocabulary with one line (a prompt
     tokenized with another tokenizer otherwise fails deep inside an embedding lookup or a vLLM worker)."""
@@ -121,12 +143,40 @@ class SamplingParams:
     seed: int = 0  # generation is a pure function of (weights, prompts, params, seed)
 
 
+@dataclass(frozen=True)
+class Request:
+    """One request of :meth:`RolloutEngine.generate_requests`: ``n`` samples of ``prompt_ids``, each at most
+    ``max_new_tokens`` long, drawn with ``seed``. A continuation of a partial sample (partial_rollout.py) is a
+    request with ``n = 1`` whose prompt is the original prompt followed by the tokens generated so far."""
+
+    prompt_ids: tuple[int, ...]
+    n: int
+    max_new_tokens: int
+    seed: int
+
+
+def requests_for(prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Request]:
+    """The requests of ``generate(prompts, params)``: prompt i draws with ``params.seed + i * n`` (child j of it with
+    ``+ j`` on vLLM), the seeding ``generate`` has always had."""
+    n = params.n
+    return [
+        Request(tuple(int(t) for t in p), n, params.max_new_tokens, params.seed + i * n) for i, p in enumerate(prompts)
+    ]
+
+
 class RolloutEngine(Protocol):
     """Generates samples; holds its own copy of the weights, refreshed from the train engine."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SampleBatch:
-        """``len(prompts) * params.n`` samples, the n samples of a prompt adjacent, with ``rollout_log_probs``
-        and ``group_index`` (= position of the prompt in ``prompts``) filled; ``R`` = ``params.max_new_tokens``."""
+        """``len(prompts) * params.n`` samples, the n samples of a prompt adjacent, with ``rollout_log_probs``,
+        ``group_index`` (= position of the prompt in ``prompts``) and ``finished`` filled; ``R`` =
+        ``params.max_new_tokens``. The same as ``generate_requests(requests_for(prompts, params), params)``."""
+        ...
+
+    def generate_requests(self, requests: Sequence[Request], params: SamplingParams) -> SampleBatch:
+        """Each request's ``n`` samples, adjacent and in request order, ``group_index`` = the request's position;
+        temperature / top-p / top-k from ``params``, the width ``R`` from ``params.max_new_tokens`` (every request's
+        own ``max_new_tokens`` is at most that). ``finished`` says which samples ended with EOS."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -20,6 +20,7 @@ with fused expert tensors (``mlp.experts.gate_up_proj``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ConfigError, UserError
-from .base import SampleBatch, SamplingParams, check_prompt_tokens
+from .base import Request, SampleBatch, SamplingParams, check_prompt_tokens, requests_for
 from .hf_load import load_causal_lm
 
 if TYPE_CHECKING:
@@ -80,26 +81,46 @@ class HFRolloutEngine:
     # ------------------------------------------------------------------------------------------- generate
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SampleBatch:
+        return self.generate_requests(requests_for(prompts, params), params)
+
+    def generate_requests(self, requests: Sequence[Request], params: SamplingParams) -> SampleBatch:
+        """Requests of one token budget are generated together, in chunks of ``max_batch_size`` rows; chunk k of a
+        budget draws with one seed (transformers samples a batch from one RNG stream), ``_chunk_seed`` of the
+        budget's first request's seed and k. So, unlike on vLLM, a sample depends on the requests batched with it:
+        a result is a pure function of the whole request list, and ``generate`` (one budget, first seed
+        ``params.seed``) draws exactly as before requests existed."""
         _check_params(params)
-        prompts = [list(p) for p in prompts]
-        self._check_prompts(prompts)
-        rows = [i for i in range(len(prompts)) for _ in range(params.n)]  # the n samples of a prompt adjacent
-        chunk = self.max_batch_size or max(len(rows), 1)
-        parts = []
-        for k, start in enumerate(range(0, len(rows), chunk)):
-            part_rows = rows[start : start + chunk]
-            ids, logps = self._generate_chunk([prompts[i] for i in part_rows], params, _chunk_seed(params.seed, k))
-            parts.append((ids, logps))
+        self._check_prompts([list(q.prompt_ids) for q in requests])
         r = params.max_new_tokens
-        ids = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, r, dtype=torch.long)
-        logps = torch.cat([p[1] for p in parts]) if parts else torch.empty(0, r)
+        rows = [j for j, q in enumerate(requests) for _ in range(q.n)]  # a request's n samples adjacent
+        ids = torch.full((len(rows), r), self.pad_token_id, dtype=torch.long)
+        logps = torch.zeros(ids.shape, dtype=torch.float32)
+        chunk = self.max_batch_size or max(len(rows), 1)
+        budgets = torch.tensor([requests[j].max_new_tokens for j in rows], dtype=torch.long)
+        for budget in dict.fromkeys(budgets.tolist()):  # budgets in order of first appearance
+            if not 1 <= budget <= r:
+                raise ConfigError(f"a request's max_new_tokens ({budget}) must be in [1, {r}] (the batch width)")
+            where = (budgets == budget).nonzero()[:, 0].tolist()
+            first_seed = requests[rows[where[0]]].seed  # the chunks of generate() draw from params.seed as before
+            sub = dataclasses.replace(params, max_new_tokens=budget)
+            for k, start in enumerate(range(0, len(where), chunk)):
+                part = where[start : start + chunk]
+                prompts = [list(requests[rows[i]].prompt_ids) for i in part]
+                ids[part, :budget], logps[part, :budget] = self._generate_chunk(
+                    prompts, sub, _chunk_seed(first_seed, k)
+                )
+        # EOS within the sample's own budget (the columns after it hold the pad id, which may itself be an EOS id)
+        within = torch.arange(r)[None, :] < budgets[:, None]
+        finished = (torch.isin(ids, torch.tensor(list(self.eos_token_ids), dtype=ids.dtype)) & within).any(-1)
         ids, mask, logps = _finish(ids, logps, self.eos_token_ids, self.pad_token_id)
+        mask = mask * within  # a pad id that is an EOS id must not count as the EOS of a sample cut at its budget
         return SampleBatch(
-            prompt_ids=[list(prompts[i]) for i in rows],
+            prompt_ids=[list(requests[j].prompt_ids) for j in rows],
             response_ids=ids,
             response_mask=mask,
             rollout_log_probs=logps,
             group_index=torch.tensor(rows, dtype=torch.long),
+            finished=finished,
         )
 
     def _generate_chunk(

@@ -93,7 +93,7 @@ import torch
 from ..compile import resolve_enforce_eager
 from ..errors import ConfigError, UserError
 from ..patches._core import APPLIED, SKIPPED
-from .base import SampleBatch, SamplingParams, check_prompt_tokens
+from .base import Request, SampleBatch, SamplingParams, check_prompt_tokens, empty_batch, requests_for
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -595,71 +595,83 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------------------------------- generate
 
-    @_beside_mindspeed
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SampleBatch:
+        return self.generate_requests(requests_for(prompts, params), params)
+
+    @_beside_mindspeed
+    def generate_requests(self, requests: Sequence[Request], params: SamplingParams) -> SampleBatch:
+        """One ``llm.generate`` call, each request with its own ``SamplingParams`` (n, max_tokens, seed: child j of a
+        request draws with seed + j), so a sample does not depend on the requests beside it."""
         from vllm import SamplingParams as VllmSamplingParams
 
-        prompts = [[int(t) for t in p] for p in prompts]
-        self._check_request(prompts, params)
+        self._check_request(requests, params)
+        if not requests:
+            return empty_batch(params.max_new_tokens, self.pad_token_id)
         if self.logprobs_mode != LOGPROBS_MODE and (
             keys := _raw_differs(params.temperature, params.top_p, params.top_k)
         ):
             self._warn_raw_logprobs(self.logprobs_mode, keys, "see the engine start")
-        requests = [{"prompt_token_ids": p} for p in prompts]
-        per_prompt = [
+        per_request = [
             VllmSamplingParams(
-                n=params.n,
+                n=q.n,
                 temperature=params.temperature,
                 top_p=params.top_p,
                 top_k=0 if params.top_k == -1 else params.top_k,  # vLLM: 0 = off
-                max_tokens=params.max_new_tokens,
-                seed=params.seed + i * params.n,  # child j of prompt i draws with seed + i * n + j
+                max_tokens=q.max_new_tokens,
+                seed=q.seed,
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,
             )
-            for i in range(len(prompts))
+            for q in requests
         ]
-        outputs = self.llm.generate(requests, per_prompt, use_tqdm=False)
-        return self._to_batch(prompts, outputs, params)
+        prompts = [{"prompt_token_ids": list(q.prompt_ids)} for q in requests]
+        outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
+        return self._to_batch(requests, outputs, params.max_new_tokens)
 
-    def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if params.n < 1 or params.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams needs n >= 1 and max_new_tokens >= 1, got {params}")
-        check_prompt_tokens(prompts, self.vocab_size)
-        for i, p in enumerate(prompts):
-            if len(p) + params.max_new_tokens > self.max_model_len:
+    def _check_request(self, requests: Sequence[Request], params: SamplingParams) -> None:
+        if any(q.n < 1 or not 1 <= q.max_new_tokens <= params.max_new_tokens for q in requests):
+            raise ValueError(f"requests need n >= 1 and 1 <= max_new_tokens <= {params.max_new_tokens}: {params}")
+        check_prompt_tokens([q.prompt_ids for q in requests], self.vocab_size)
+        for i, q in enumerate(requests):
+            if len(q.prompt_ids) + q.max_new_tokens > self.max_model_len:
                 raise UserError(
-                    f"prompt {i} ({len(p)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the vLLM context "
-                    f"length {self.max_model_len}; raise 'rollout.max_model_len' or lower 'data.max_prompt_length'"
+                    f"prompt {i} ({len(q.prompt_ids)} tokens) + max_new_tokens ({q.max_new_tokens}) exceeds the vLLM "
+                    f"context length {self.max_model_len}; raise 'rollout.max_model_len' or lower "
+                    "'data.max_prompt_length'"
                 )
 
-    def _to_batch(self, prompts: list[list[int]], outputs: list[Any], params: SamplingParams) -> SampleBatch:
-        n, r = params.n, params.max_new_tokens
-        rows = len(prompts) * n
-        ids = torch.full((rows, r), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(rows, r, dtype=torch.float32)
-        logps = torch.zeros(rows, r, dtype=torch.float32)
-        for i, out in enumerate(outputs):
+    def _to_batch(self, requests: Sequence[Request], outputs: list[Any], r: int) -> SampleBatch:
+        rows = [j for j, q in enumerate(requests) for _ in range(q.n)]
+        ids = torch.full((len(rows), r), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), r, dtype=torch.float32)
+        logps = torch.zeros(len(rows), r, dtype=torch.float32)
+        finished = torch.zeros(len(rows), dtype=torch.bool)
+        row = 0
+        for j, (q, out) in enumerate(zip(requests, outputs, strict=True)):
             samples = sorted(out.outputs, key=lambda c: c.index)
-            if len(samples) != n:
-                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected {n}")
-            for j, sample in enumerate(samples):
-                row, tokens = i * n + j, list(sample.token_ids)
-                if len(tokens) > r or sample.logprobs is None or len(sample.logprobs) != len(tokens):
-                    raise RuntimeError(f"vLLM output {row} has {len(tokens)} tokens for max_new_tokens={r}")
+            if len(samples) != q.n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for request {j}, expected {q.n}")
+            for sample in samples:
+                tokens = list(sample.token_ids)
+                if len(tokens) > q.max_new_tokens or sample.logprobs is None or len(sample.logprobs) != len(tokens):
+                    raise RuntimeError(
+                        f"vLLM output {row} has {len(tokens)} tokens for max_new_tokens={q.max_new_tokens}"
+                    )
                 length = len(tokens)
                 ids[row, :length] = torch.tensor(tokens, dtype=torch.long)
                 mask[row, :length] = 1.0  # EOS (finish_reason "stop") is kept in token_ids, so it is in the mask
                 logps[row, :length] = torch.tensor(
                     [step[t].logprob for step, t in zip(sample.logprobs, tokens, strict=True)]
                 )
-        group = torch.arange(len(prompts), dtype=torch.long).repeat_interleave(n)
+                finished[row] = sample.finish_reason == "stop"  # "length": cut at max_tokens
+                row += 1
         return SampleBatch(
-            prompt_ids=[list(prompts[i]) for i in group.tolist()],
+            prompt_ids=[list(requests[j].prompt_ids) for j in rows],
             response_ids=ids,
             response_mask=mask,
             rollout_log_probs=logps,
-            group_index=group,
+            group_index=torch.tensor(rows, dtype=torch.long),
+            finished=finished,
         )
 
     # ------------------------------------------------------------------------------------------- weights

@@ -1,0 +1,325 @@
+"""Partial rollout and dynamic sampling (gspo_ascend/partial_rollout.py) against a deterministic fake engine.
+
+The fake engine's response to a prompt is a pure function of the prefix: every next token and whether it is EOS
+are hashes of the tokens so far, and the first response token depends on the request seed (so the n samples of a
+group differ). A response continued over rounds must therefore equal the response generated in one go, which is
+what the property test checks, with the scheduler's invariants, under random lengths, budgets and rewards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+
+import pytest
+import torch
+
+from gspo_ascend.config import ConfigError, load_config
+from gspo_ascend.engines.base import Request, SampleBatch, SamplingParams, requests_for
+from gspo_ascend.partial_rollout import RolloutScheduler
+
+EOS, PAD, VOCAB = 1, 0, 50
+
+
+def _h(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+class FakeEngine:
+    """Long-tailed responses: EOS after each token with probability ``stop`` (a hash of the prefix decides)."""
+
+    def __init__(self, stop: float) -> None:
+        self.stop, self.calls = stop, []
+
+    def next_token(self, prefix: tuple[int, ...], seed: int | None) -> int:
+        if seed is not None:  # the first token of a fresh sample: the seed tells the n samples apart
+            return 2 + _h("first", prefix, seed) % (VOCAB - 3)
+        if _h("stop", prefix) % 10_000 < self.stop * 10_000:
+            return EOS
+        return 2 + _h("tok", prefix) % (VOCAB - 3)
+
+    def one(self, prompt: tuple[int, ...], budget: int, seed: int, fresh: bool) -> list[int]:
+        out: list[int] = []
+        while len(out) < budget:
+            t = self.next_token(prompt + tuple(out), seed if fresh and not out else None)
+            out.append(t)
+            if t == EOS:
+                break
+        return out
+
+    def __call__(self, requests: list[Request], params: SamplingParams) -> SampleBatch:
+        self.calls.append(list(requests))
+        rows = []
+        for j, q in enumerate(requests):
+            for child in range(q.n):
+                # a continuation (n = 1 on a prompt that is not a training prompt) goes on from its prefix
+                fresh = q.prompt_ids[-1] == PROMPT_END
+                rows.append((j, q, self.one(tuple(q.prompt_ids), q.max_new_tokens, q.seed + child, fresh)))
+        r = params.max_new_tokens
+        ids = torch.full((len(rows), r), PAD, dtype=torch.long)
+        mask, logps = torch.zeros(len(rows), r), torch.zeros(len(rows), r)
+        for i, (_, _, toks) in enumerate(rows):
+            ids[i, : len(toks)] = torch.tensor(toks)
+            mask[i, : len(toks)] = 1
+            logps[i, : len(toks)] = -0.5
+        return SampleBatch(
+            prompt_ids=[list(q.prompt_ids) for _, q, _ in rows],
+            response_ids=ids,
+            response_mask=mask,
+            rollout_log_probs=logps,
+            group_index=torch.tensor([j for j, _, _ in rows]),
+            finished=torch.tensor([bool(t) and t[-1] == EOS for _, _, t in rows]),
+        )
+
+
+PROMPT_END = 49  # every training prompt ends with this token; a continuation ends with a response token (< 49)
+
+
+class Sampler:
+    def __init__(self, batch: int) -> None:
+        self.batch, self.drawn = batch, 0
+
+    def next_batch(self) -> list[int]:
+        rows = list(range(self.drawn, self.drawn + self.batch))
+        self.drawn += self.batch
+        return rows
+
+
+def prompt_of(row: int) -> list[int]:
+    return [2 + row % 40, 3 + row % 7, PROMPT_END]
+
+
+def null_timer(_name: str):
+    return contextlib.nullcontext()
+
+
+def scheduler(sampler: Sampler, **kw) -> RolloutScheduler:
+    args = dict(batch_groups=sampler.batch, n=4, width=32, round_tokens=8, max_rounds=2, extra_groups=None)
+    args |= kw
+    if args["extra_groups"] is None:
+        from gspo_ascend.config import effective_rounds
+
+        args["extra_groups"] = (effective_rounds(args["round_tokens"], args["max_rounds"], args["width"]) - 1) * (
+            args["batch_groups"]
+        )
+    args.setdefault("dynamic", False)
+    args.setdefault("max_draws", 10)
+    return RolloutScheduler(draw=sampler.next_batch, prompt_of=prompt_of, **args)
+
+
+def reward_fn(seed: int, flat_share: float):
+    def score(batch: SampleBatch, rows: list[int], step: int):
+        n = len(batch) // len(rows)
+        out = []
+        for row in rows:
+            if _h("flat", seed, row) % 100 < flat_share * 100:
+                out += [float(_h("v", row) % 2)] * n  # all equal: zero variance
+            else:
+                out += [float(i % 2) for i in range(n)]
+        return torch.tensor(out), {"reward/mean": sum(out) / len(out), "reward/errors": 0.0}
+
+    return score
+
+
+def test_conservation_staleness_and_continuation_under_random_schedules():
+    """Every drawn prompt's n samples are trained exactly once (or dropped whole by dynamic sampling), no trained
+    token is more than max_rounds - 1 versions old, and a sample continued over rounds is the one-round sample."""
+    rng = random.Random(0)
+    seen = {"partial/continued_samples": 0.0, "dynamic/dropped_groups": 0.0, "dynamic/bound_hit": 0.0}
+    for case in range(60):
+        b, n, width = rng.choice([1, 2, 3]), rng.choice([1, 2, 4]), rng.choice([8, 16, 40])
+        round_tokens, max_rounds = rng.randint(1, width + 4), rng.randint(1, 4)
+        from gspo_ascend.config import effective_rounds
+
+        most = (effective_rounds(round_tokens, max_rounds, width) - 1) * b
+        extra, dynamic = rng.randint(0, most), rng.random() < 0.5
+        engine, sampler = FakeEngine(stop=rng.choice([0.02, 0.1, 0.3])), Sampler(b)
+        s = scheduler(
+            sampler,
+            n=n,
+            width=width,
+            round_tokens=round_tokens,
+            max_rounds=max_rounds,
+            extra_groups=extra,
+            dynamic=dynamic,
+            max_draws=rng.randint(1, 3),
+        )
+        score = reward_fn(case, flat_share=rng.choice([0.0, 0.5, 0.9]))
+        trained: list[int] = []
+        for step in range(1, 9):
+            params = SamplingParams(n=n, max_new_tokens=width, seed=1000 * case + step)
+            got = s.collect(step, params, engine, score, null_timer)
+            assert len(got.indices) == b and len(got.batch) == b * n
+            mask = got.batch.response_mask.bool()
+            lag = (step - 1 - got.versions)[mask]
+            assert lag.numel() == 0 or 0 <= int(lag.min()) and int(lag.max()) <= max_rounds - 1, (case, step)
+            assert bool((got.batch.finished | (got.batch.response_lengths == width)).all())  # EOS, or cut at R
+            for i, row in enumerate(got.indices):
+                for j in range(n):
+                    k = i * n + j
+                    tokens = got.batch.response_ids[k, : int(mask[k].sum())].tolist()
+                    assert tokens and len(tokens) <= width
+                    whole = engine.one(tuple(prompt_of(row)) + (tokens[0],), width - 1, 0, fresh=False)
+                    assert tokens == [tokens[0], *whole][: len(tokens)], (case, step, row)
+                    assert tokens[-1] == EOS or len(tokens) == width
+            trained += got.indices
+            for key in seen:
+                seen[key] += got.metrics[key]
+        assert len(trained) == len(set(trained)), case  # no prompt group trained twice
+        in_flight = {g.index for g in s.groups} | set(s.queue)
+        missing = set(range(sampler.drawn)) - set(trained) - in_flight
+        if not dynamic:
+            assert not missing, case  # nothing is lost without dynamic sampling
+        assert set(trained) | in_flight | missing == set(range(sampler.drawn))
+    assert all(v > 0 for v in seen.values()), seen  # the cases reached continuations, drops and the draw bound
+
+
+def test_one_full_round_is_the_synchronous_rollout():
+    """round_tokens >= R, no extra groups, no dynamic sampling: one generate call per step with exactly the
+    requests of ``generate(prompts, params)`` (same seeds), and the batch is that call's batch."""
+    engine, sampler = FakeEngine(stop=0.1), Sampler(3)
+    s = scheduler(sampler, n=4, width=16, round_tokens=16, max_rounds=3)
+    assert s.capacity == 3  # one effective round: no extra groups
+    for step in (1, 2):
+        params = SamplingParams(n=4, max_new_tokens=16, seed=7 + step)
+        got = s.collect(step, params, engine, reward_fn(0, 0.0), null_timer)
+        prompts = [prompt_of(r) for r in range(3 * (step - 1), 3 * step)]
+        assert engine.calls[-1] == requests_for(prompts, params)
+        want = engine(requests_for(prompts, params), params)
+        for name in ("response_ids", "response_mask", "rollout_log_probs", "group_index", "finished"):
+            assert torch.equal(getattr(got.batch, name), getattr(want, name)), name
+        assert got.batch.prompt_ids == want.prompt_ids and got.indices == list(range(3 * (step - 1), 3 * step))
+        assert got.metrics["partial/rounds"] == 1 and got.metrics["partial/lag_max"] == 0
+    assert len(engine.calls) == 4  # two steps, each one call (plus the two reference calls)
+
+
+def test_steady_state_pipelines_one_round_per_step():
+    """max_rounds 2, round R/2, extra = B: after the first step one round per step, continuations forced to finish,
+    every trained group one step old."""
+    engine, sampler = FakeEngine(stop=0.02), Sampler(2)  # long responses: most are cut at the budget
+    s = scheduler(sampler, n=2, width=32, round_tokens=16, max_rounds=2)
+    metrics = []
+    for step in range(1, 6):
+        got = s.collect(step, SamplingParams(n=2, max_new_tokens=32, seed=step), engine, reward_fn(1, 0), null_timer)
+        metrics.append(got.metrics)
+    assert metrics[0]["partial/rounds"] == 2 and metrics[0]["partial/admitted_groups"] == 4
+    for m in metrics[1:]:
+        assert m["partial/rounds"] == 1 and m["partial/admitted_groups"] == 2 and m["partial/lag_max"] == 1
+    # step 2 trains step 1's groups (both rounds ran in step 1); from step 3 on the trained groups were cut in
+    # the previous step and continued in this one
+    assert metrics[1]["partial/continued_samples"] == 0
+    assert all(m["partial/continued_samples"] > 0 for m in metrics[2:])
+    assert max(q.max_new_tokens for call in engine.calls for q in call) == 16  # no round is longer than R/2
+
+
+def test_dynamic_sampling_replaces_flat_groups_and_says_the_bound_once(capsys):
+    engine, sampler = FakeEngine(stop=0.3), Sampler(2)
+    s = scheduler(sampler, n=2, width=8, round_tokens=8, max_rounds=1, dynamic=True, max_draws=3)
+    got = s.collect(1, SamplingParams(n=2, max_new_tokens=8, seed=1), engine, reward_fn(3, 0.5), null_timer)
+    flat = {r for r in range(sampler.drawn) if _h("flat", 3, r) % 100 < 50}
+    assert not set(got.indices) & flat and got.metrics["dynamic/dropped_groups"] >= 1
+    assert got.metrics["dynamic/bound_hit"] == 0
+    # every group flat: two replacement batches, then the batch is filled with dropped groups, said once
+    for step in (2, 3):
+        got = s.collect(step, SamplingParams(n=2, max_new_tokens=8, seed=step), engine, reward_fn(4, 1.0), null_timer)
+        assert got.metrics["dynamic/bound_hit"] == 1 and len(got.indices) == 2
+    err = capsys.readouterr().err
+    assert err.count("dynamic sampling:") == 1 and "dynamic_sampling.max_draws" in err
+
+
+def test_state_round_trip_continues_identically():
+    engine = FakeEngine(stop=0.05)
+    a_sampler, b_sampler = Sampler(2), Sampler(2)
+    a, b = scheduler(a_sampler), scheduler(b_sampler)
+
+    def run(s, step):
+        params = SamplingParams(n=4, max_new_tokens=32, seed=step)
+        return s.collect(step, params, engine, reward_fn(5, 0.3), null_timer)
+
+    for step in (1, 2):
+        run(a, step), run(b, step)
+    assert any(not x.finished for g in a.groups for x in g.samples)  # the buffer is not empty
+    c_sampler = Sampler(2)
+    c_sampler.drawn = b_sampler.drawn
+    c = scheduler(c_sampler)
+    c.load_state_dict(torch.load(_saved(b.state_dict()), weights_only=True))
+    for step in (3, 4):
+        x, y = run(a, step), run(c, step)
+        assert x.indices == y.indices and torch.equal(x.batch.response_ids, y.batch.response_ids)
+        assert torch.equal(x.versions, y.versions) and x.metrics == y.metrics
+
+
+def _saved(state):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_behavior_weights_by_hand():
+    from gspo_ascend.algorithms.behavior import behavior_weights
+
+    prox = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-1.0, -1.0, 0.0, 0.0], [-0.5, -0.5, -0.5, -0.5]])
+    mu = torch.tensor([[-1.5, -2.0, -2.0, 9.0], [-1.0, -0.2, 0.0, 0.0], [-4.5, -4.5, -4.5, -4.5]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    stale = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    w, m = behavior_weights(prox, mu, stale, mask, cap=2.0)
+    # row 0: stale tokens 0, 1 (token 3 is padding): (0.5 + 0) / 3 tokens; row 1: no stale token; row 2: 4.0 > cap
+    assert torch.allclose(w, torch.tensor([torch.exp(torch.tensor(0.5 / 3)).item(), 1.0, 2.0]))
+    assert m["behavior/capped_frac"] == 0.5 and m["behavior/weight_max"] == 2.0
+    assert m["behavior/weight_mean"] == pytest.approx((torch.exp(torch.tensor(0.5 / 3)).item() + 2.0) / 2)
+
+
+def test_weight_on_the_advantage_is_the_weight_on_the_loss():
+    """w_i > 0 per sequence: the loss with A_i * w_i equals w_i times the per-sequence loss, for every loss."""
+    from gspo_ascend.algorithms import get_policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=g) - 0.1
+    new = (old + 0.01 * torch.randn(4, 6, generator=g)).requires_grad_()
+    mask = torch.ones(4, 6)
+    adv, w = torch.tensor([1.0, -1.0, 0.5, -2.0]), torch.tensor([0.5, 1.7, 2.0, 1.0])
+    for name in ("gspo", "gspo_token", "grpo"):
+        loss_fn = get_policy_loss(name)
+        kw = dict(clip_low=3e-4, clip_high=4e-4, clip_ratio_c=3.0, agg_mode="seq-mean-token-mean")
+        weighted, _ = loss_fn(new, old, adv * w, mask, **kw)
+        per_seq = torch.stack(
+            [loss_fn(new[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], **kw)[0] for i in range(4)]
+        )
+        assert torch.allclose(weighted, (per_seq * w).mean(), atol=1e-7), name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["partial_rollout.max_rounds=3"], "partial_rollout.max_rounds"),
+        (["dynamic_sampling.max_draws=3"], "dynamic_sampling.max_draws"),
+        (["partial_rollout.round_tokens=32", "partial_rollout.extra_groups=17"], "partial_rollout.extra_groups"),
+        (["partial_rollout.round_tokens=0"], "partial_rollout.round_tokens"),
+        (
+            [
+                "partial_rollout.round_tokens=32",
+                "partial_rollout.behavior_correction=seq_tis",
+                "algorithm.old_logprobs=engine",
+            ],
+            "partial_rollout.behavior_correction",
+        ),
+    ],
+)
+def test_config_refuses_inert_or_unsafe_keys(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_extra_groups_default_is_the_bound():
+    from gspo_ascend.config import behavior_correction, max_extra_groups
+
+    cfg = load_config(None, ["partial_rollout.round_tokens=32", "data.max_response_length=64"])
+    assert max_extra_groups(cfg) == cfg.data.train_batch_size  # 2 rounds: one batch of extra groups
+    assert behavior_correction(cfg) == "seq_tis"
+    cfg = load_config(None, ["partial_rollout.round_tokens=64", "algorithm.old_logprobs=engine"])
+    assert max_extra_groups(cfg) == 0 and behavior_correction(cfg) == "none"

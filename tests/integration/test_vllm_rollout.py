@@ -198,6 +198,20 @@ class TestDense:
         # the n samples of a prompt draw from different seeds: not all identical
         assert any(len({tuple(r) for r in first.response_ids[i * 4 : i * 4 + 4].tolist()}) > 1 for i in range(3))
 
+    def test_greedy_continuation_is_the_one_round_response(self, synced, path):
+        """Partial rollout's continuation (tests/continuation.py) under frozen weights: token-identical to one
+        round, and the continued segment's vLLM log-probs == transformers' at the same weights (TOLERANCE)."""
+        from gspo_ascend.engines.base import SamplingParams
+        from tests.continuation import continued_in_two_rounds
+
+        engine, hf_new, _ = synced
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=32, seed=5)
+        one, joined, continued = continued_in_two_rounds(engine, _prompts(path, 8), params, first=6)
+        assert continued.any()
+        assert torch.equal(joined.response_ids, one.response_ids)
+        reference = _hf_log_probs(hf_new, joined, 1.0)  # greedy samples are scored at T = 1
+        assert _masked_max_diff(joined.rollout_log_probs, reference, continued) <= TOLERANCE
+
     def test_log_probs_match_hf_after_weight_sync(self, synced, path):
         from gspo_ascend.engines.base import SamplingParams
 

@@ -51,3 +51,19 @@ def test_rollout_log_probs_equal_trainer_log_probs(engines, temperature, packed)
     assert torch.equal(recomputed[~mask], torch.zeros_like(recomputed[~mask]))
     diff = (recomputed - batch.rollout_log_probs).abs()[mask]
     assert diff.max() <= 1e-5, float(diff.max())
+
+
+def test_greedy_continuation_is_the_one_round_response(engines):
+    """Partial rollout's continuation (tests/continuation.py) under frozen weights: token-identical to one round,
+    and the continued segment's engine log-probs == the trainer's recompute (<= 1e-5, as above)."""
+    from tests.continuation import continued_in_two_rounds
+
+    cfg, train, rollout, path = engines
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=24, seed=5)
+    one, joined, continued = continued_in_two_rounds(rollout, prompts(path, 8), params, first=6)
+    assert continued.any()  # some answers are longer than 6 tokens: they were continued
+    assert torch.equal(joined.response_ids, one.response_ids)
+    assert torch.equal(joined.response_mask, one.response_mask)
+    recomputed = train.compute_log_probs(joined, 1.0)  # greedy samples are scored at T = 1
+    diff = (recomputed - joined.rollout_log_probs).abs()[continued]
+    assert diff.max() <= 1e-5, float(diff.max())

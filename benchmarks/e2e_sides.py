@@ -45,6 +45,7 @@ class Side:
     old_logprobs: str = "recompute"  # ours only: algorithm.old_logprobs
     note: str = ""
     patched: bool = False  # TRL with a change of ours: reported, never the headline comparison
+    partial: bool = False  # ours only: partial rollout, rounds of half the response length (partial_rollout.py)
 
 
 SIDES = {
@@ -52,6 +53,14 @@ SIDES = {
     for s in (
         Side("ours-vllm", "ours", "vllm", "engine", "vLLM rollout, packed fsdp, old log-probs from vLLM"),
         Side("ours-vllm-recompute", "ours", "vllm", "recompute", "vLLM rollout, packed fsdp, old log-probs recomputed"),
+        Side(
+            "ours-vllm-partial",
+            "ours",
+            "vllm",
+            "engine",
+            "ours-vllm with partial rollout: rounds of max_new_tokens / 2, 2 rounds, one batch of extra groups",
+            partial=True,
+        ),
         Side("ours-hf", "ours", "hf", "recompute", "HF generate rollout, packed fsdp, old log-probs recomputed"),
         Side("trl-hf", "trl", "hf", note="TRL GRPOTrainer, HF generate"),
         Side("trl-vllm", "trl", "vllm", note="TRL GRPOTrainer, vLLM colocate"),

@@ -142,10 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.sides if s not in SIDES]
     if unknown or not args.sides:
         raise UserError(f"--sides: unknown side(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(SIDES)}")
-    if not any(SIDES[s].trainer == "ours" for s in args.sides) or not any(
-        SIDES[s].trainer == "trl" for s in args.sides
-    ):
-        raise UserError("--sides needs at least one of our sides (ours-*) and one TRL side (trl-*)")
+    if not any(SIDES[s].trainer == "ours" for s in args.sides):
+        raise UserError("--sides needs at least one of our sides (ours-*); without a TRL side no ratio to TRL")
     return args
 
 
@@ -200,6 +198,8 @@ def our_config(args: argparse.Namespace, output_dir: str, side: Side | None = No
         "trainer.loggers": ["jsonl"],
         "trainer.seed": 0,
     }
+    if side.partial:  # the steady state from the second step: one round of at most half the length per step
+        overrides["partial_rollout.round_tokens"] = max(1, args.max_new_tokens // 2)
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + list(args.set))
 
 

@@ -1,7 +1,7 @@
 """The embedded CPU default (`gspo-ascend train`, configs/tiny_gspo.yaml) over three seeds, as is and with partial
 rollout or dynamic sampling: what its held-out greedy accuracy does, and what each option saves or costs.
 
-    .venv/bin/python benchmarks/embedded_default.py                 # 3 variants x 3 seeds, ~6 min a run on 2 cores
+    .venv/bin/python benchmarks/embedded_default.py                 # 4 variants x 3 seeds, ~6 min a run on 2 cores
     .venv/bin/python benchmarks/embedded_default.py --report-only   # the report again from the raw files
 
 Every run is the README's command with ``trainer.seed=K`` (the prompt order and every sampling seed) and the
@@ -11,7 +11,8 @@ default (16 prompts x 8). Variants:
     default   the embedded default as shipped
     dynamic   dynamic_sampling.enabled=true: zero-variance groups dropped and replaced (docs/partial-rollout.md)
     partial   partial_rollout.round_tokens=16 (half of data.max_response_length), 2 rounds, one batch of extra
-              groups, pi_old recomputed with the behaviour correction
+              groups, pi_old recomputed with the behaviour correction (decoupled)
+    partial-engine  the same rounds, pi_old = the rollout engine's log-probs (mixed versions, no correction)
 
 Output: ``docs/results/raw/embedded-<variant>-seed<K>.jsonl`` (each run's metrics.jsonl, unmodified) and
 ``docs/results/embedded-default.md`` (computed from them). A run whose raw file already holds its last step is
@@ -34,6 +35,7 @@ VARIANTS = {
     "default": [],
     "dynamic": ["dynamic_sampling.enabled=true"],
     "partial": ["partial_rollout.round_tokens=16"],
+    "partial-engine": ["partial_rollout.round_tokens=16", "algorithm.old_logprobs=engine"],
 }
 STEPS = 60  # configs/tiny_gspo.yaml's trainer.total_steps
 REPORT = REPO / "docs" / "results" / "embedded-default.md"

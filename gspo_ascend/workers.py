@@ -325,14 +325,16 @@ class WorkerGroup:
 
 
 def balanced_runs(sizes: list[int], parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous index ranges ``[a, b)`` of ``sizes`` whose sums are as even as a contiguous cut allows:
-    range g ends at the first index where the running sum reaches ``(g + 1) / parts`` of the total."""
-    total, bounds, running = sum(sizes), [0], 0
-    for i, size in enumerate(sizes):
-        running += size
-        while len(bounds) < parts and running * parts >= total * len(bounds):
-            bounds.append(i + 1)
-    bounds += [len(sizes)] * (parts + 1 - len(bounds))
+    """``parts`` contiguous index ranges ``[a, b)`` of ``sizes``, cut where the running sum is nearest to each
+    ``g / parts`` of the total (the first such cut on a tie), so the runs hold about equal samples."""
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    bounds = [0]
+    for g in range(1, parts):
+        target = prefix[-1] * g / parts
+        bounds.append(min(range(bounds[-1], len(prefix)), key=lambda k: abs(prefix[k] - target)))
+    bounds.append(len(sizes))
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 

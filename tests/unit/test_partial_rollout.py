@@ -323,3 +323,36 @@ def test_config_extra_groups_default_is_the_bound():
     assert behavior_correction(cfg) == "seq_tis"
     cfg = load_config(None, ["partial_rollout.round_tokens=64", "algorithm.old_logprobs=engine"])
     assert max_extra_groups(cfg) == 0 and behavior_correction(cfg) == "none"
+
+
+def test_worker_group_cuts_requests_into_one_run_per_rollout_group():
+    """Four ranks at rollout TP 2: two groups, each rank of a group gets its group's run of requests, about
+    equal samples each; the joined batch is the one-engine batch (request order, group_index = request)."""
+    from types import SimpleNamespace
+
+    from gspo_ascend.workers import WorkerGroup, balanced_runs
+
+    assert balanced_runs([8, 1, 1, 1, 1, 8], 2) == [(0, 3), (3, 6)]  # 10 + 10 samples
+    assert balanced_runs([1], 3) == [(0, 0), (0, 1), (1, 1)]  # a group may get nothing
+    engine, seen = FakeEngine(stop=0.1), {}
+    group = object.__new__(WorkerGroup)
+    group.cfg = load_config(
+        None, ["rollout.engine=vllm", "rollout.tensor_parallel_size=2", "trainer.devices_per_node=4"]
+    )
+    group.world_size, group._get = 4, list
+
+    def worker(rank):
+        def remote(requests, params):
+            seen[rank] = list(requests)
+            return engine(list(requests), params)
+
+        return SimpleNamespace(generate_requests=SimpleNamespace(remote=remote))
+
+    group.workers = [worker(r) for r in range(4)]
+    requests = [Request(tuple(prompt_of(i)), n, 8, 100 + i) for i, n in enumerate([4, 1, 1, 4, 2, 1])]
+    params = SamplingParams(n=4, max_new_tokens=8)
+    got, want = group.generate_requests(requests, params), engine(requests, params)
+    assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] + seen[2] == requests
+    assert len(seen[0]) == 3  # 6 of 13 samples in the first run, 7 in the second
+    for name in ("response_ids", "group_index", "finished"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, to_dict
+from .data.prepare import embedded_data_dir  # here too: the benchmarks and tests import it from runtime
 from .errors import ConfigError, UserError
 
 
@@ -69,18 +70,6 @@ def resolve_train_files(cfg: Config) -> list[str]:
     if cfg.model.path:
         raise UserError("data.train_files is empty; set it to parquet/jsonl files (see `gspo-ascend prepare-data`)")
     return [str(embedded_data_dir() / "train.parquet")]
-
-
-def embedded_data_dir() -> Path:
-    """The synthetic task's ``train.parquet`` and held-out ``test.parquet``, built on first use. The directory is
-    named after the task's version, so a cache written by an older release (no held-out split) is never read."""
-    from .data import prepare_data
-    from .tiny import SYNTHETIC_VERSION, gspo_home
-
-    out = gspo_home() / "data" / f"synthetic-v{SYNTHETIC_VERSION}"
-    if not all((out / f"{split}.parquet").is_file() for split in ("train", "test")):
-        prepare_data("synthetic", None, out, seed=0)
-    return out
 
 
 def check_model_layout(cfg: Config, model_path: str) -> None:

@@ -196,7 +196,7 @@ def _noisy_answer(rng: random.Random, correct: int, p_correct: float) -> int:
 
 
 def _corpus(seed: int, max_operand: int, checks: bool = False) -> list[str]:
-    from .data.prepare import INSTRUCTION
+    from .rewards.math_answer import INSTRUCTION
 
     records = synthetic_arithmetic(2000, seed, split="sft", max_operand=max_operand)
     texts = [

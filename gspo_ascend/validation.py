@@ -183,7 +183,7 @@ def resolve_val_files(cfg: Any) -> list[str]:
     if cfg.data.val_files:
         return list(cfg.data.val_files)
     if not cfg.model.path and not cfg.data.train_files:
-        from .runtime import embedded_data_dir
+        from .data.prepare import embedded_data_dir
 
         return [str(embedded_data_dir() / "test.parquet")]
     return []

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..rewards.math_answer import extract_boxed
+from ..rewards.math_answer import INSTRUCTION, extract_boxed
 from .sources import find_data_files, read_rows
 
 # Qwen2.5-Math's wording; Qwen models were tuned on it, so it costs nothing in accuracy to standardise on it.
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 _DAPO_HEAD = "Solve the following math problem step by step."
 _DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:"'
 
@@ -208,3 +207,14 @@ def prepare_data(
         write_parquet(rows, path)
         summary[split]["path"] = str(path)
     return summary
+
+
+def embedded_data_dir() -> Path:
+    """The synthetic task's ``train.parquet`` and held-out ``test.parquet``, built on first use. The directory is
+    named after the task's version, so a cache written by an older release (no held-out split) is never read."""
+    from ..tiny import SYNTHETIC_VERSION, gspo_home
+
+    out = gspo_home() / "data" / f"synthetic-v{SYNTHETIC_VERSION}"
+    if not all((out / f"{split}.parquet").is_file() for split in ("train", "test")):
+        prepare_data("synthetic", None, out, seed=0)
+    return out

@@ -21,6 +21,10 @@ from __future__ import annotations
 import logging
 from functools import lru_cache
 
+# what every math prompt asks for: the answer in the last \boxed{}, which extract_boxed reads (data/prepare.py
+# appends it to questions; the tiny model's tokenizer learns it, tiny.py)
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not short math answers; skip parsing them (cost, not safety)
 

@@ -239,9 +239,9 @@ class RolloutScheduler:
         if not self.warned_bound:
             self.warned_bound = True
             print(
-                f"dynamic sampling: step {step} drew {self.replace_bound // self.b} rollout batches of replacements "
-                "and still lacked groups with reward variance; it trained on zero-variance groups to fill the batch "
-                "(dynamic/bound_hit counts such steps; raise dynamic_sampling.max_draws)",
+                f"warning: dynamic sampling: step {step} drew {self.replace_bound // self.b} rollout batches of "
+                "replacements and still lacked groups with reward variance; it trained on zero-variance groups to "
+                "fill the batch (dynamic/bound_hit counts such steps; raise dynamic_sampling.max_draws)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -357,6 +357,14 @@ def build_scheduler(cfg: Any, sampler: Any, dataset: Any) -> RolloutScheduler | 
     if p.round_tokens is None and not d.enabled:
         return None
     width = cfg.data.max_response_length
+    if p.round_tokens is not None and p.round_tokens < width and cfg.algorithm.old_logprobs == "engine":
+        print(
+            "note: partial rollout with algorithm.old_logprobs=engine: pi_old is the rollout engine's, up to "
+            f"{p.max_rounds - 1} weights versions old, so the 3e-4 / 4e-4 window clips more (actor/clipfrac_seq; "
+            "verl #7356 saw ~0.4); algorithm.old_logprobs=recompute corrects for it (docs/partial-rollout.md)",
+            file=sys.stderr,
+            flush=True,
+        )
     return RolloutScheduler(
         batch_groups=cfg.data.train_batch_size,
         n=cfg.rollout.n,
@@ -382,8 +390,8 @@ def load_scheduler(scheduler: RolloutScheduler | None, checkpoint: Any) -> None:
     if scheduler is None:
         if state["groups"] or state["queue"]:
             print(
-                f"{path}: {len(state['groups'])} prompt groups in flight and {len(state['queue'])} drawn prompts are "
-                "dropped: this run has partial rollout and dynamic sampling off",
+                f"warning: {path}: {len(state['groups'])} prompt groups in flight and {len(state['queue'])} drawn "
+                "prompts are dropped: this run has partial rollout and dynamic sampling off",
                 file=sys.stderr,
                 flush=True,
             )

@@ -225,7 +225,7 @@ def test_dynamic_sampling_replaces_flat_groups_and_says_the_bound_once(capsys):
         got = s.collect(step, SamplingParams(n=2, max_new_tokens=8, seed=step), engine, reward_fn(4, 1.0), null_timer)
         assert got.metrics["dynamic/bound_hit"] == 1 and len(got.indices) == 2
     err = capsys.readouterr().err
-    assert err.count("dynamic sampling:") == 1 and "dynamic_sampling.max_draws" in err
+    assert err.count("warning: dynamic sampling:") == 1 and "dynamic_sampling.max_draws" in err
 
 
 def test_state_round_trip_continues_identically():

@@ -84,33 +84,32 @@ class HFRolloutEngine:
         return self.generate_requests(requests_for(prompts, params), params)
 
     def generate_requests(self, requests: Sequence[Request], params: SamplingParams) -> SampleBatch:
-        """Requests of one token budget are generated together, in chunks of ``max_batch_size`` rows; chunk k of a
-        budget draws with one seed (transformers samples a batch from one RNG stream), ``_chunk_seed`` of the
-        budget's first request's seed and k. So, unlike on vLLM, a sample depends on the requests batched with it:
-        a result is a pure function of the whole request list, and ``generate`` (one budget, first seed
-        ``params.seed``) draws exactly as before requests existed."""
+        """All requests in one ``model.generate`` call per chunk of ``max_batch_size`` rows; a row whose request has
+        a smaller budget than the chunk's largest stops at it (a per-row stopping criterion). Chunk k draws with
+        one seed, ``_chunk_seed`` of the first request's seed and k (transformers samples a batch from one RNG
+        stream), so, unlike on vLLM, a sample depends on the requests batched with it: a result is a pure function
+        of the whole request list, and ``generate`` (one budget, first seed ``params.seed``) draws exactly as
+        before requests existed."""
         _check_params(params)
         self._check_prompts([list(q.prompt_ids) for q in requests])
         r = params.max_new_tokens
         rows = [j for j, q in enumerate(requests) for _ in range(q.n)]  # a request's n samples adjacent
+        budgets = torch.tensor([requests[j].max_new_tokens for j in rows], dtype=torch.long)
+        if bool(((budgets < 1) | (budgets > r)).any()):
+            raise ConfigError(f"a request's max_new_tokens must be in [1, {r}] (the batch width)")
         ids = torch.full((len(rows), r), self.pad_token_id, dtype=torch.long)
         logps = torch.zeros(ids.shape, dtype=torch.float32)
         chunk = self.max_batch_size or max(len(rows), 1)
-        budgets = torch.tensor([requests[j].max_new_tokens for j in rows], dtype=torch.long)
-        for budget in dict.fromkeys(budgets.tolist()):  # budgets in order of first appearance
-            if not 1 <= budget <= r:
-                raise ConfigError(f"a request's max_new_tokens ({budget}) must be in [1, {r}] (the batch width)")
-            where = (budgets == budget).nonzero()[:, 0].tolist()
-            first_seed = requests[rows[where[0]]].seed  # the chunks of generate() draw from params.seed as before
-            sub = dataclasses.replace(params, max_new_tokens=budget)
-            for k, start in enumerate(range(0, len(where), chunk)):
-                part = where[start : start + chunk]
-                prompts = [list(requests[rows[i]].prompt_ids) for i in part]
-                ids[part, :budget], logps[part, :budget] = self._generate_chunk(
-                    prompts, sub, _chunk_seed(first_seed, k)
-                )
+        for k, start in enumerate(range(0, len(rows), chunk)):
+            part = slice(start, start + chunk)
+            top = int(budgets[part].max())
+            prompts = [list(requests[j].prompt_ids) for j in rows[part]]
+            sub = dataclasses.replace(params, max_new_tokens=top)
+            got = self._generate_chunk(prompts, sub, _chunk_seed(requests[0].seed, k), budgets[part])
+            ids[part, :top], logps[part, :top] = got
+        within = torch.arange(r)[None, :] < budgets[:, None]  # a row's own budget
+        ids, logps = ids.masked_fill(~within, self.pad_token_id), logps * within
         # EOS within the sample's own budget (the columns after it hold the pad id, which may itself be an EOS id)
-        within = torch.arange(r)[None, :] < budgets[:, None]
         finished = (torch.isin(ids, torch.tensor(list(self.eos_token_ids), dtype=ids.dtype)) & within).any(-1)
         ids, mask, logps = _finish(ids, logps, self.eos_token_ids, self.pad_token_id)
         mask = mask * within  # a pad id that is an EOS id must not count as the EOS of a sample cut at its budget
@@ -124,15 +123,23 @@ class HFRolloutEngine:
         )
 
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int
+        self, prompts: list[list[int]], params: SamplingParams, seed: int, budgets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ``model.generate`` call: ([b, R] int64 ids, [b, R] float32 log-probs), on the host, unmasked."""
+        """One ``model.generate`` call: ([b, R] int64 ids, [b, R] float32 log-probs), on the host, unmasked. With
+        ``budgets`` ([b]) below ``params.max_new_tokens``, row i stops after ``budgets[i]`` tokens."""
         input_ids, attention_mask = _left_pad(prompts, self.pad_token_id, self.device)
         greedy = params.temperature == 0
         config = self._generation_config(params)
+        extra = {}
+        if budgets is not None and bool((budgets < params.max_new_tokens).any()):
+            from transformers import StoppingCriteriaList
+
+            extra["stopping_criteria"] = StoppingCriteriaList([_RowBudgets(budgets, input_ids.shape[1])])
         with torch.no_grad(), self._forked_rng():
             self.backend.manual_seed(seed)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **extra
+            )
         steps = len(out.logits)  # < R when every row hit EOS early
         tokens = out.sequences[:, input_ids.shape[1] :][:, :steps]  # [b, steps], on the device
         temperature = 1.0 if greedy else params.temperature
@@ -233,6 +240,18 @@ class HFRolloutEngine:
 
     def wake_up(self) -> None:
         """No-op; see :meth:`sleep`."""
+
+
+class _RowBudgets:
+    """A stopping criterion: row i is done once it has ``budgets[i]`` new tokens. transformers then pads the row and
+    still draws its random numbers with the batch, so the other rows sample as without it."""
+
+    def __init__(self, budgets: torch.Tensor, prompt_width: int) -> None:
+        self.budgets, self.prompt_width = budgets, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        done = self.budgets.to(input_ids.device) <= input_ids.shape[1] - self.prompt_width
+        return done
 
 
 def build_hf_rollout(cfg: Config, backend: Backend, model_path: str) -> HFRolloutEngine:

@@ -67,3 +67,25 @@ def test_greedy_continuation_is_the_one_round_response(engines):
     recomputed = train.compute_log_probs(joined, 1.0)  # greedy samples are scored at T = 1
     diff = (recomputed - joined.rollout_log_probs).abs()[continued]
     assert diff.max() <= 1e-5, float(diff.max())
+
+
+def test_requests_with_their_own_budgets_in_one_call(engines):
+    """hf generate_requests: rows of smaller budgets stop at them (greedy: the prefix of the full-budget row), EOS
+    inside a budget marks the sample finished, and a budget cut does not."""
+    from gspo_ascend.engines import Request, requests_for
+
+    _, _, rollout, path = engines
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=24, seed=5)
+    full = rollout.generate(prompts(path, 6), params)
+    requests = [
+        Request(q.prompt_ids, 1, budget, q.seed)
+        for q, budget in zip(requests_for(prompts(path, 6), params), [3, 24, 8, 1, 24, 12], strict=True)
+    ]
+    cut = rollout.generate_requests(requests, params)
+    for i, q in enumerate(requests):
+        k = int(cut.response_lengths[i])
+        assert k == min(q.max_new_tokens, int(full.response_lengths[i]))
+        assert torch.equal(cut.response_ids[i, :k], full.response_ids[i, :k])
+        assert bool(cut.finished[i]) == (bool(full.finished[i]) and int(full.response_lengths[i]) <= q.max_new_tokens)
+        assert not cut.response_mask[i, k:].any() and not cut.rollout_log_probs[i, k:].any()
+    assert not bool(cut.finished[3]) and int(cut.response_lengths[3]) == 1  # one token: no answer ends there

@@ -1,12 +1,13 @@
 """The embedded CPU default (`gspo-ascend train`, configs/tiny_gspo.yaml) over three seeds, as is and with partial
 rollout or dynamic sampling: what its held-out greedy accuracy does, and what each option saves or costs.
 
-    .venv/bin/python benchmarks/embedded_default.py                 # 4 variants x 3 seeds, ~6 min a run on 2 cores
+    .venv/bin/python benchmarks/embedded_default.py                 # 4 variants x 3 seeds, 3-6 min a run on 2 cores
     .venv/bin/python benchmarks/embedded_default.py --report-only   # the report again from the raw files
 
 Every run is the README's command with ``trainer.seed=K`` (the prompt order and every sampling seed) and the
-variant's keys; nothing else changes, so a variant's runs train on the same number of samples per step as the
-default (16 prompts x 8). Variants:
+variant's keys; nothing else changes, so every variant trains on the same samples per step (16 prompts x 8). The
+default runs its 60 steps; the options run 30 and are compared with the default's first 30 (equal trained
+samples). Variants:
 
     default   the embedded default as shipped
     dynamic   dynamic_sampling.enabled=true: zero-variance groups dropped and replaced (docs/partial-rollout.md)
@@ -31,13 +32,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# variant -> (its keys, steps): the default runs as shipped (60 steps); the options are compared with it at equal
+# trained samples over the first 30 steps (16 x 8 samples a step on every variant), which halves the study's time
 VARIANTS = {
-    "default": [],
-    "dynamic": ["dynamic_sampling.enabled=true"],
-    "partial": ["partial_rollout.round_tokens=16"],
-    "partial-engine": ["partial_rollout.round_tokens=16", "algorithm.old_logprobs=engine"],
+    "default": ([], 60),
+    "partial": (["partial_rollout.round_tokens=16"], 30),
+    "dynamic": (["dynamic_sampling.enabled=true"], 30),
+    "partial-engine": (["partial_rollout.round_tokens=16", "algorithm.old_logprobs=engine"], 30),
 }
-STEPS = 60  # configs/tiny_gspo.yaml's trainer.total_steps
 REPORT = REPO / "docs" / "results" / "embedded-default.md"
 RAW = REPO / "docs" / "results" / "raw"
 
@@ -54,7 +56,9 @@ def run(variant: str, seed: int, work: Path) -> float:
     """One training run through the CLI; its metrics.jsonl copied to the raw file. Returns wall seconds."""
     out = work / f"{variant}-{seed}"
     cmd = [sys.executable, "-m", "gspo_ascend.cli", "train", f"trainer.output_dir={out}", f"trainer.seed={seed}"]
-    cmd += ["trainer.loggers=[jsonl]", "trainer.save_freq=0", "trainer.resume=never", *VARIANTS[variant]]
+    keys, steps = VARIANTS[variant]
+    cmd += ["trainer.loggers=[jsonl]", "trainer.save_freq=0", "trainer.resume=never", *keys]
+    cmd += [f"trainer.total_steps={steps}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
@@ -72,38 +76,45 @@ def _stat(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
+def done(variant: str, seed: int) -> list[dict]:
+    """The run's metrics when it ran to its last step, else []."""
+    rows = read(raw_file(variant, seed))
+    return rows if rows and rows[-1]["step"] == VARIANTS[variant][1] else []
+
+
 def summary(rows: list[dict]) -> dict[str, float]:
-    """One run's figures: validation accuracy at fixed steps and overall, reward, zero-variance share, cost."""
+    """One run's figures over its first 30 steps (all variants) and to its end: validation accuracy, reward,
+    zero-variance share, what generation cost."""
     val = {r["step"]: r["val/all/mean@1"] for r in rows if "val/all/mean@1" in r}
-    steps = [r for r in rows if r["step"] > 0]
+    steps = [r for r in rows if 0 < r["step"] <= 30]
     last = max(val)
     late = [val[s] for s in sorted(val)[-3:]]
     admitted = [r.get("partial/admitted_groups", 16.0) for r in steps]  # groups generated (the default: 16)
     return {
         "val0": val[0],
         "val30": val.get(30, float("nan")),
+        "val_20_30": statistics.mean(val[s] for s in (20, 25, 30)),
         "val_last": val[last],
         "val_late3": statistics.mean(late),
         "val_peak": max(val.values()),
-        "reward_last10": statistics.mean(r["reward/mean"] for r in steps[-10:]),
+        "reward_21_30": statistics.mean(r["reward/mean"] for r in steps[-10:]),
         "zero_var": statistics.mean(r["reward/zero_var_group_frac"] for r in steps),
         "groups_generated": sum(admitted),
-        "train_s": sum(r["time/step_s"] for r in steps),
         "rollout_s": sum(r["time/rollout_s"] for r in steps),
     }
 
 
-COLUMNS = (
+COLUMNS = (  # the first seven over steps 1-30 (every variant), the last three to the run's end
     ("val0", "val. acc. step 0"),
     ("val30", "step 30"),
-    ("val_last", "step 60 (last)"),
-    ("val_late3", "mean of steps 50-60"),
+    ("val_20_30", "mean of steps 20-30"),
+    ("reward_21_30", "reward, steps 21-30"),
+    ("zero_var", "zero-variance groups, steps 1-30"),
+    ("groups_generated", "groups generated, steps 1-30"),
+    ("rollout_s", "rollout s, steps 1-30"),
+    ("val_last", "val. acc. at the last step"),
+    ("val_late3", "mean of the last 3 validations"),
     ("val_peak", "peak"),
-    ("reward_last10", "reward, last 10 steps"),
-    ("zero_var", "zero-variance groups"),
-    ("groups_generated", "groups generated"),
-    ("rollout_s", "rollout s (sum)"),
-    ("train_s", "step s (sum)"),
 )
 
 
@@ -120,7 +131,7 @@ def report(seeds: int) -> str:
     ]
     per_variant = {}
     for variant in VARIANTS:
-        runs = [summary(rows) for s in range(seeds) if len(rows := read(raw_file(variant, s))) > STEPS]
+        runs = [summary(rows) for s in range(seeds) if (rows := done(variant, s))]
         per_variant[variant] = runs
         if runs:
             cells = [_stat([r[k] for r in runs]) for k, _ in COLUMNS]
@@ -135,7 +146,7 @@ def report(seeds: int) -> str:
         ]
         steps = sorted(curves[0])
         points = ", ".join(f"{s}: {statistics.mean(c[s] for c in curves if s in c):.2f}" for s in steps)
-        lines.append(f"- {variant}: {points}")
+        lines.append(f"- {variant} ({VARIANTS[variant][1]} steps): {points}")
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="embedded-default-") as work:
             for seed in range(args.seeds):  # seed-major: load from other jobs hits every variant alike
                 for variant in args.variants.split(","):
-                    if len(read(raw_file(variant, seed))) > STEPS:
+                    if done(variant, seed):
                         continue
                     seconds = run(variant, seed, Path(work))
                     print(f"{variant} seed {seed}: {seconds:.0f} s", flush=True)

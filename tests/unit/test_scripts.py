@@ -316,7 +316,7 @@ def test_requirements_npu_is_the_matrix_stack():
     (stack,) = [s for s in matrix.STACKS if s.platform == "npu"]
     for package, spec in stack.pins:
         assert package in pins and matches(pins[package], spec), (package, pins.get(package), spec)
-    assert pins["mindspeed"] == "2.2.0" and pins["megatron-core"] == "0.12.1" and pins["transformers"] == "4.57.1"
+    assert pins["mindspeed"] == "26.1.0" and pins["megatron-core"] == "0.12.1" and pins["transformers"] == "4.57.1"
     assert pins["vllm-ascend"] == "0.11.0"
     checks = (
         packages.check_torch_npu_pair(pins)

@@ -24,6 +24,13 @@ parameters (``param.data.copy_``: same storage); with ``VLLM_ASCEND_ENABLE_NZ=0`
 ``process_weights_after_loading`` re-lays nothing out. So the addresses captured in an ACL graph keep holding the
 current weights. What would break it is a re-allocating update (``param.data = new``), which the CPU test
 tests/integration/test_vllm_graph_weights.py rules out for our update path.
+
+Beside MindSpeed (the megatron engine in the same process as an in-process vLLM, rollout TP > 1): MindSpeed's
+adaptor replaces ``torch.compile`` process-wide with a pass-through, under which vLLM would capture nothing (verl
+needed ``use_original_torch_compile`` for this). Every vLLM call of our engine, the build that captures included,
+runs in ``mindspeed_setup.patches_lifted()`` with torch's own ``torch.compile`` back
+(tests/mindspeed/test_mindspeed_engine.py::test_vllm_calls_run_with_the_process_wide_torch_patches_lifted), so
+graph mode needs no refusal there.
 """
 
 from __future__ import annotations
@@ -164,6 +171,12 @@ def environment_problems(cfg, backend_name: str, env: Mapping[str, str]) -> list
     if backend_name != "npu" or r.engine != "vllm":
         return []
     found = []
+    if r.enforce_eager is False and r.cudagraph_mode is not None and r.cudagraph_mode not in NPU_GRAPH_MODES:
+        # trainer.device=auto resolved to the NPU: the config validator could not know
+        found.append(
+            f"config key 'rollout.cudagraph_mode' is '{r.cudagraph_mode}'; on NPU use one of "
+            f"{', '.join(NPU_GRAPH_MODES)} (vllm-ascend 0.11.0 turns the others into eager or PIECEWISE)"
+        )
     queue = env.get("TASK_QUEUE_ENABLE")
     if r.enforce_eager is False and queue is not None and queue != "1":
         found.append(
@@ -217,3 +230,10 @@ def compilation_config(cfg, eager: bool) -> dict:
 
 def jemalloc_path(exists=os.path.exists) -> str | None:
     return next((p for p in JEMALLOC_PATHS if exists(p)), None)
+
+
+def render_table() -> str:
+    """The profile as the markdown table docs/install-npu.md holds ("Performance profile"; a test keeps them equal)."""
+    rows = ["| setting | verl's guide | here | read by (pinned) | why |", "|---|---|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.value} | {s.where} | {s.reader} | {s.why} |" for s in SETTINGS]
+    return "\n".join(rows) + "\n"

@@ -97,6 +97,8 @@ def test_vllm_engine_hands_the_graph_keys_to_vllm(monkeypatch):
             {"VLLM_ASCEND_ENABLE_PREFETCH_MLP": "1"},
             "without VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE",
         ),
+        # trainer.device=auto (the validator allowed FULL) that resolved to the NPU
+        ([*GRAPH, "rollout.cudagraph_mode=FULL"], {"TASK_QUEUE_ENABLE": "1"}, "on NPU use one of PIECEWISE"),
     ],
 )
 def test_environment_couplings_refused_at_train_start(overrides, env, fragment):
@@ -202,3 +204,8 @@ def test_doctor_reports_the_profile_in_effect_and_what_is_missing(tmp_path):
 def test_doctor_says_nothing_of_the_profile_off_npu(tmp_path):
     ctx = context(tmp_path, env={}, planned={"torch": "2.13.0"})
     assert profile_checks(ctx) == []
+
+
+def test_install_guide_holds_the_profile_table():
+    doc = (REPO / "docs/install-npu.md").read_text()
+    assert npu_profile.render_table() in doc, "copy gspo_ascend.npu_profile.render_table() into docs/install-npu.md"

@@ -9,9 +9,9 @@
 # nvidia-* libraries; PyTorch's CPU index is not reachable from every machine). One venv each rather than one venv
 # re-installed: MindSpeed's reinstall is cheap (~5 s), but two runs sharing one venv would swap MindSpeed under each
 # other's subprocesses; with pip's cache warm the second venv costs its install time, not the download.
-# Measured on 2 shared cores (2026-11-26): a venv from nothing 100-150 s with a fast link (plus ~80 s for the tiny
-# models once); the second branch's venv from pip's cache: see docs/mindspeed-branches.md ("CI time"), which also has
-# each branch's test time (tests/mindspeed/ ~75 s per branch with the venv built).
+# Measured on 2 shared, loaded cores (2026-11-26; docs/mindspeed-branches.md "CI time"): the stack 158-166 s per
+# venv (no pip cache here: each venv downloads torch), MindSpeed 25 s (2.2.0) / 43 s (26.1.0), the tiny models once
+# per venv, then tests/mindspeed/ (59 tests) 345 s on 2.2.0 and 321 s on 26.1.0: ~5.5 min per branch cached.
 #   bash scripts/check_mindspeed.sh                        26.1.0 (MINDSPEED_BRANCH, else 26.1.0): run tests/mindspeed/
 #   bash scripts/check_mindspeed.sh --branch 2.2.0         the field stack's MindSpeed
 #   bash scripts/check_mindspeed.sh --rebuild              delete the branch's venv and build it again

@@ -91,6 +91,9 @@ def check_python(ctx) -> list[Check]:
 def check_listing(ctx) -> list[Check]:
     seen = {k: v for k, v in ctx.versions.items() if k != "python"}
     source = f"planned (from {ctx.versions_file})" if ctx.planned is not None else "installed"
+    found = mindspeed_branch(mindspeed_package_dir()) if ctx.planned is None and "mindspeed" in seen else None
+    if found:  # on every platform, not only where compat-mindspeed runs: pip's 0.12.1 names no branch
+        seen["mindspeed"] += f" (branch {found[0]})"
     listed = ", ".join(f"{k} {v}" for k, v in sorted(seen.items())) or "none"
     checks = [Check("packages", "ok", f"{source}: {listed}")]
     if "torch" not in seen:

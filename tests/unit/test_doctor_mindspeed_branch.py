@@ -97,5 +97,7 @@ def test_doctor_run_reports_the_installed_branch(tmp_path, monkeypatch):
         tmp_path, sysroot=make_sysroot(tmp_path / "root"), env=SOURCED, runner=recorded("npu-smi-info-8x910B3.txt")
     )
     monkeypatch.setattr(sys, "path", [str(root)])
-    (check,) = [c for c in packages.package_checks(ctx) if c.name == "compat-mindspeed"]
+    checks = {c.name: c for c in packages.package_checks(ctx)}
+    check = checks["compat-mindspeed"]
     assert check.status == "ok" and check.finding.startswith(f"MindSpeed {branch} (branch {branch}_core_r0.12.1: has ")
+    assert f"mindspeed 0.12.1 (branch {branch})" in checks["packages"].finding

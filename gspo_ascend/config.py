@@ -63,7 +63,10 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     max_num_batched_tokens: int = 8192
-    enforce_eager: bool | None = None  # None = auto: eager on NPU (no graph mode for RL there)
+    enforce_eager: bool | None = None  # None = auto: eager on NPU and CPU, graphs on CUDA (gspo_ascend/compile.py)
+    # graph rollout (enforce_eager: false) only; null = vLLM's default (gspo_ascend/npu_profile.py has the rules)
+    cudagraph_mode: str | None = None  # FULL_DECODE_ONLY | PIECEWISE on NPU (verl's NPU GSPO guide: FULL_DECODE_ONLY)
+    cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes captured, each <= one engine's sequences
     max_model_len: int | None = None  # vLLM context limit; None = max_prompt_length + max_response_length
 
 
@@ -647,3 +650,10 @@ def behavior_correction(cfg: Config) -> str:
     if mode != "auto":
         return mode
     return "seq_tis" if cfg.algorithm.old_logprobs == "recompute" else "none"
+
+
+@validator
+def _graph_rollout(cfg: Config) -> Iterable[str]:
+    from .npu_profile import graph_problems  # torch-free; the NPU profile's rules live with its table
+
+    yield from graph_problems(cfg)

@@ -101,12 +101,14 @@ def prepare(cfg: Config) -> Run:
     from .checkpoint import cleanup_stale, resolve_resume
     from .data import PromptSampler, load_prompts, report_filtered
     from .device import get_backend
+    from .npu_profile import check_environment
     from .resume import check_resume
     from .rewards import load_reward_fn
     from .rundir import check_writable, open_run_dir
     from .validation import prepare_val_set
 
     backend = get_backend(cfg.trainer.device)
+    check_environment(cfg, backend.name)  # the NPU profile's couplings with the job's runtime_env (issue #26)
     check_writable(cfg.trainer.output_dir)  # before minutes of data loading; creates nothing
     if cfg.reward.reward_fn:
         load_reward_fn(cfg.reward.reward_fn)  # a bad module:function path fails now, with its one line

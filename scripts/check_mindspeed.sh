@@ -1,44 +1,68 @@
 #!/usr/bin/env bash
-# Run the real MindSpeed (Ascend/MindSpeed branch 2.2.0_core_r0.12.1, the MindSpeed of verl's Atlas 800T A2 stack)
-# on CPU under our device shim, in a separate venv .venv-mindspeed/ (issue #13). .ci/run runs it after the README's
-# test command. The venv takes 5.9 GB (torch 2.7.1 from PyPI is a CUDA build with its nvidia-* libraries;
-# PyTorch's CPU index is not reachable from every machine): built in 100-150 s with a fast link, plus ~80 s for the
-# tiny models once; tests/mindspeed/ then runs in ~75 s on 2 cores.
-#   bash scripts/check_mindspeed.sh                  build .venv-mindspeed once (reused later), run tests/mindspeed/
-#   bash scripts/check_mindspeed.sh --rebuild        delete .venv-mindspeed and build it again
-#   bash scripts/check_mindspeed.sh [--] FILE...     run these test files (or node ids) instead of tests/mindspeed/
+# Run the real MindSpeed on CPU under our device shim, in a separate venv per MindSpeed branch (issues #13, #26).
+# Two branches are held (docs/mindspeed-branches.md lists what differs between them for us, with the test of each):
+#   26.1.0  branch 26.1.0_core_r0.12.1, the maintained one (until 2026-12-30): the recommended MindSpeed;
+#           venv .venv-mindspeed-26/
+#   2.2.0   branch 2.2.0_core_r0.12.1, the MindSpeed of verl's Atlas 800T A2 stack (the field stack; unmaintained
+#           since 2026-03-30); venv .venv-mindspeed/
+# .ci/run runs both, one after the other. Each venv takes 5.9 GB (torch 2.7.1 from PyPI is a CUDA build with its
+# nvidia-* libraries; PyTorch's CPU index is not reachable from every machine). One venv each rather than one venv
+# re-installed: MindSpeed's reinstall is cheap (~5 s), but two runs sharing one venv would swap MindSpeed under each
+# other's subprocesses; with pip's cache warm the second venv costs its install time, not the download.
+# Measured on 2 shared, loaded cores (2026-11-26; docs/mindspeed-branches.md "CI time"): the stack 158-166 s per
+# venv (no pip cache here: each venv downloads torch), MindSpeed 25 s (2.2.0) / 43 s (26.1.0), the tiny models once
+# per venv, then tests/mindspeed/ (59 tests) 345 s on 2.2.0 and 321 s on 26.1.0: ~5.5 min per branch cached.
+#   bash scripts/check_mindspeed.sh                        26.1.0 (MINDSPEED_BRANCH, else 26.1.0): run tests/mindspeed/
+#   bash scripts/check_mindspeed.sh --branch 2.2.0         the field stack's MindSpeed
+#   bash scripts/check_mindspeed.sh --rebuild              delete the branch's venv and build it again
+#   bash scripts/check_mindspeed.sh [--] FILE...           run these test files (or node ids) instead of tests/mindspeed/
 # The stack: the NPU pins that run on CPU (requirements-npu.txt: torch 2.7.1, numpy 1.26.4, mbridge 0.13.1, einops;
 # megatron-core 0.12.1 and transformers 4.57.6 from requirements-gpu.txt: verl's Ascend image has 4.57.6, the NPU file
 # holds 4.57.1 only for vllm-ascend's ceiling, and vllm-ascend is not installed here), MindSpeed with --no-deps (its
 # requirements.txt lists auto-tuning and test tools the adaptor does not import), and this package (editable).
 # No torch_npu, no CANN: the shim stands in for them (shim.install(mindspeed=True); docs/device-shim.md).
 # MindSpeed's source (never copied into this repository; installed and run):
-#   MINDSPEED_SRC=<checkout dir or archive> when set, else ../shared/upstream/mindspeed-2.2.0_core_r0.12.1-*.tar.gz
-# Environment: PYTHON (default python3, 3.10 or 3.11), MINDSPEED_VENV (default .venv-mindspeed).
+#   MINDSPEED_SRC=<checkout dir or archive> when set, else ../shared/upstream/mindspeed-<branch>_core_r0.12.1-*.tar.gz
+# Environment: PYTHON (default python3, 3.10 or 3.11), MINDSPEED_BRANCH (26.1.0 | 2.2.0),
+#   MINDSPEED_VENV (default .venv-mindspeed-26 for 26.1.0, .venv-mindspeed for 2.2.0).
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # the stamp hashes this file: any cwd
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=${MINDSPEED_VENV:-.venv-mindspeed}
+BRANCH=${MINDSPEED_BRANCH:-26.1.0}
 TESTS=(tests/mindspeed)
-
-if [[ "${1:-}" == "--rebuild" ]]; then
-  rm -rf "$VENV"
-  shift
-fi
+rebuild=0
+while (($#)); do
+  case "$1" in
+    --branch) BRANCH="${2:-}"; shift 2 || shift ;;
+    --branch=*) BRANCH="${1#--branch=}"; shift ;;
+    --rebuild) rebuild=1; shift ;;
+    *) break ;;
+  esac
+done
+case "$BRANCH" in
+  26.1.0) default_venv=.venv-mindspeed-26 ;;
+  2.2.0) default_venv=.venv-mindspeed ;;
+  *)
+    echo "check_mindspeed: --branch (MINDSPEED_BRANCH) is '$BRANCH'; use 26.1.0 (maintained) or 2.2.0 (verl's)" >&2
+    exit 2
+    ;;
+esac
+VENV=${MINDSPEED_VENV:-$default_venv}
+if ((rebuild)); then rm -rf "$VENV"; fi
 [[ "${1:-}" == "--" ]] && shift
 (($#)) && TESTS=("$@")
 
 # MindSpeed's source: an explicit MINDSPEED_SRC, else the archive in ../shared/upstream/
 src="${MINDSPEED_SRC:-}"
 if [[ -z "$src" ]]; then
-  for f in ../shared/upstream/mindspeed-2.2.0_core_r0.12.1-*.tar.gz; do
+  for f in ../shared/upstream/mindspeed-"$BRANCH"_core_r0.12.1-*.tar.gz; do
     [[ -f "$f" ]] && src="$f"
   done
 fi
 if [[ -z "$src" || ! -e "$src" ]]; then
-  echo "check_mindspeed: no MindSpeed source${src:+ at $src}. Get branch 2.2.0_core_r0.12.1 of the public" \
-    "Ascend/MindSpeed repository (git clone -b 2.2.0_core_r0.12.1 https://gitcode.com/Ascend/MindSpeed; mirrored at" \
+  echo "check_mindspeed: no MindSpeed source${src:+ at $src}. Get branch ${BRANCH}_core_r0.12.1 of the public" \
+    "Ascend/MindSpeed repository (git clone -b ${BRANCH}_core_r0.12.1 https://gitcode.com/Ascend/MindSpeed; mirrored at" \
     "https://github.com/Ascend/MindSpeed) and set MINDSPEED_SRC=<that checkout or an archive of it>." >&2
   exit 1
 fi
@@ -91,14 +115,18 @@ fi
 versions="$("$VENV/bin/python" - <<'EOF'
 from importlib.metadata import version
 
+from gspo_ascend.doctor.packages import mindspeed_branch, mindspeed_package_dir
+
 names = ("torch", "transformers", "megatron-core", "mbridge", "mindspeed")
-print(", ".join(f"{n} {version(n)}" for n in names))
+branch, evidence = mindspeed_branch(mindspeed_package_dir()) or ("none", "")
+print(", ".join(f"{n} {version(n)}" for n in names) + f" (doctor: branch {branch}, {evidence})")
 EOF
 )"
 echo "mindspeed stack: $versions"
 # tiny models are built by this stack's transformers and never overwrite .venv's cache
 GSPO_HOME="$(cd "$VENV" && pwd)/gspo-home"
 export GSPO_HOME
+export MINDSPEED_BRANCH="$BRANCH"  # tests/mindspeed/test_mindspeed_branch.py: the doctor must find this branch
 
 start=$SECONDS
 rc=0

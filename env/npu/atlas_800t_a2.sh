@@ -5,7 +5,8 @@
 # Per-job variables (HCCL timeouts and ports, vllm-ascend switches) are in env/npu/mc2_env.yaml. GPU counterpart:
 # env/gpu/h20.sh (same shape). Every value: what, why, source; tests/unit/test_env_profiles.py checks them against
 # gspo-ascend doctor's env rules. Deliberately absent: HCCL_INTRA_ROCE_ENABLE (only the 200T A2 Box16 and 300T Pro
-# use it) and HCCL_OP_EXPANSION_MODE=AIV (documented as inference-only on A2; training keeps the HOST default).
+# use it) and HCCL_OP_EXPANSION_MODE=AIV (documented as inference-only on A2; training keeps the HOST default;
+# gspo_ascend/npu_profile.py SETTINGS lists the whole NPU performance profile, docs/install-npu.md renders it).
 
 _gspo_host_profile() {
   local root=${ASCEND_ROOT:-/usr/local/Ascend} nic=${NIC:-} set_env
@@ -33,6 +34,28 @@ _gspo_host_profile() {
   fi
   # shellcheck disable=SC1091
   source "$root/nnal/atb/set_env.sh"
+
+  # --- host allocator: jemalloc when found (JEMALLOC=<path> names another, JEMALLOC= keeps glibc's malloc)
+  local jemalloc=${JEMALLOC-} candidate
+  if [[ -z ${JEMALLOC+set} ]]; then
+    for candidate in /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \
+      /usr/lib64/libjemalloc.so.2 /usr/local/lib/libjemalloc.so.2; do
+      if [[ -f $candidate ]]; then
+        jemalloc=$candidate
+        break
+      fi
+    done
+    [[ -n $jemalloc ]] || echo "note: jemalloc not found (apt install libjemalloc2 / yum install jemalloc); glibc malloc" >&2
+  fi
+  if [[ -n $jemalloc && :${LD_PRELOAD:-}: != *:$jemalloc:* ]]; then
+    # what: jemalloc as the host malloc of every process started from this shell (Ray, its workers, vLLM's).
+    # why: verl's NPU GSPO practice guide: glibc's arenas keep the host memory of long RL runs (weights offloaded
+    #   every step, data batches) and Ray's memory monitor then kills workers; jemalloc returns it to the OS.
+    #   Absent: a note, not an error (nothing breaks without it); `gspo-ascend doctor` reports it as missing.
+    # source: glibc ld.so(8) LD_PRELOAD; the paths: gspo_ascend/npu_profile.py JEMALLOC_PATHS (a test keeps them
+    #   equal); doctor line npu-profile.
+    export LD_PRELOAD=$jemalloc${LD_PRELOAD:+:$LD_PRELOAD}
+  fi
 
   # --- network interface: NIC, else the interface of the default route
   [[ -n $nic ]] || nic=$(ip -o -4 route show to default 2>/dev/null | awk '{ print $5; exit }')

@@ -3,7 +3,8 @@
 Checks, in order: Python and package versions against the compatibility matrix (:mod:`.matrix`, data),
 the device the trainer would pick, accelerators from npu-smi / nvidia-smi (:mod:`.hardware`), the Ascend
 driver / firmware / CANN / set_env / ATB / torch_npu install read from files (:mod:`.ascend`), Ascend
-environment variables (:mod:`.envrules`, a rule table), a running Ray cluster (:mod:`.raycheck`) and, with
+environment variables (:mod:`.envrules`, a rule table), the NPU performance profile in effect
+(:mod:`.profile`), a running Ray cluster (:mod:`.raycheck`) and, with
 ``--config``, the config preflight (:mod:`.preflight`). Every finding is a :class:`Check`: ok / warn / fail,
 one line found, one line fix. Exit status 1 when anything fails.
 
@@ -47,13 +48,15 @@ def run_checks(ctx: Context | None = None, config_checks: list[Check] | None = N
     from .hardware import check_hardware
     from .packages import package_checks
     from .preflight import devices_check
+    from .profile import profile_checks
     from .raycheck import ray_checks
 
     ctx = ctx or Context()
     checks = package_checks(ctx)
     if ctx.probe_device:
         checks += check_device(ctx)
-    checks += check_hardware(ctx.hardware) + ascend_checks(ctx) + env_checks(ctx) + ray_checks(ctx)
+    checks += check_hardware(ctx.hardware) + ascend_checks(ctx) + env_checks(ctx) + profile_checks(ctx)
+    checks += ray_checks(ctx)
     if config_checks is not None:
         checks += config_checks
         checks += devices_check(ctx.config, ctx.hardware) if ctx.config is not None else []

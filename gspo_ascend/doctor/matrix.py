@@ -39,6 +39,7 @@ class MindSpeedRow:
     torch: str | None
     megatron_core: str | None  # the core_rX.Y.Z branch it patches, where published
     installs_as: str | None = None  # the version its branch's setup.py declares, where it is not `mindspeed`
+    released_with: str | None = None  # the CANN / TorchNPU its release notes pair it with, where `cann` is the floor
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Stack:
     platform: str  # npu | cuda | cpu
     pins: tuple[tuple[str, str], ...]  # (package, version spec); "cann" and "python" are packages here
     source: str
+    # (package, version spec, why) also tested in place of that package's pin: verl's field stack (MindSpeed 2.2.0)
+    field: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,14 +103,21 @@ VLLM_ASCEND = (
 
 # MindSpeed README; branch "2.2.0_core_r0.12.1" patches Megatron core_v0.12.1. That branch's setup.py sets
 # __version__ = '0.12.1' (MindSpeed-2.2.0_core_r0.12.1/setup.py, ../shared/upstream), so pip and doctor see
-# `mindspeed 0.12.1` for MindSpeed 2.2.0: 0.12.1 = branch 2.2.0_core_r0.12.1.
+# `mindspeed 0.12.1` for MindSpeed 2.2.0: 0.12.1 = branch 2.2.0_core_r0.12.1. Branch 26.1.0_core_r0.12.1's setup.py
+# declares 0.12.1 too (doctor tells them apart by their files: packages.MINDSPEED_BRANCH_MARKERS). Its
+# docs/zh/release_notes_core.md: table 1 pairs it with CANN 9.1.0, TorchNPU 26.1.0, Python 3.10, PyTorch 2.7.1;
+# tables 2 and 3 mark it compatible ("Y") with TorchNPU 7.2.0 / 7.3.0 / 26.0.0 / 26.1.0 and CANN 8.3.RC1 / 8.5.0 /
+# 9.0.0 / 9.1.0, so its floor is our pinned CANN 8.3.RC1 + torch_npu 2.7.1 (TorchNPU 7.2.0).
 MINDSPEED = (
     MindSpeedRow("2.1.0", "8.2.RC1", "7.1.RC1", None, None),
     MindSpeedRow("2.2.0", "8.3.RC1", "7.2.0", "2.7.1", "0.12.1", installs_as="0.12.1"),
     MindSpeedRow("2.3.0", "8.3.RC1", "7.3.RC1", None, None),
     MindSpeedRow("26.0.0", "9.0", None, None, None),
-    MindSpeedRow("26.1.0", "9.1", None, None, None),
-)
+    MindSpeedRow(
+        "26.1.0", "8.3.RC1", "7.2.0 – 26.1.0", "2.7.1", "0.12.1", installs_as="0.12.1",
+        released_with="CANN 9.1.0, TorchNPU 26.1.0",
+    ),
+)  # fmt: skip
 
 # Python versions each torch minor supports (PyTorch release notes).
 TORCH_PYTHON = {"2.7": ("3.9", "3.13"), "2.8": ("3.9", "3.13"), "2.9": ("3.10", "3.13")}
@@ -123,7 +133,7 @@ STACKS = (
             ("vllm", "==0.11.0"),
             ("vllm-ascend", "==0.11.0"),
             ("megatron-core", "==0.12.1"),
-            ("mindspeed", "==2.2.0"),
+            ("mindspeed", "==26.1.0"),
             ("transformers", "==4.57.1"),
             # vllm-ascend 0.11 declares numpy<2; MindSpeed's requirements.txt declares numpy<=1.26.0, so an install
             # of MindSpeed with its dependencies moves this pin (doctor names that cause: packages.check_stack)
@@ -131,7 +141,11 @@ STACKS = (
         ),
         "requirements-npu.txt: the stack of verl's docker/ascend/Dockerfile.ascend_8.3.rc1_a2 (which has vllm-ascend "
         "0.11.0rc1, transformers 4.57.6, triton-ascend 3.2.0rc4) moved to the vllm-ascend 0.11.0 wheel and the "
-        "transformers<=4.57.1 that wheel declares",
+        "transformers<=4.57.1 that wheel declares; MindSpeed 26.1.0, the maintained branch, which its release notes "
+        "mark compatible with CANN 8.3.RC1 and TorchNPU 7.2.0 (torch_npu 2.7.1)",
+        field=(
+            ("mindspeed", "==2.2.0", "verl's field stack (branch 2.2.0_core_r0.12.1, unmaintained since 2026-03-30)"),
+        ),
     ),
     Stack(
         "gspo-ascend CPU stack",
@@ -270,7 +284,8 @@ def render_markdown() -> str:
     ]
     for stack in STACKS:
         lines += [f"## {stack.name} ({stack.platform})", "", f"Source: {stack.source}.", ""]
-        lines += _table(("package", "version"), [(p, f"`{s}`") for p, s in stack.pins]) + [""]
+        rows = [(p, f"`{s}`") for p, s in stack.pins] + [(p, f"`{s}` also tested: {why}") for p, s, why in stack.field]
+        lines += _table(("package", "version"), rows) + [""]
     lines += [
         "## CANN and torch_npu",
         "",
@@ -286,10 +301,14 @@ def render_markdown() -> str:
     lines += _table(("vllm-ascend", "CANN", "torch / torch_npu"), rows) + [""]
     lines += ["## MindSpeed", "", "pip shows a MindSpeed branch under the version its setup.py declares.", ""]
     rows = [
-        (r.mindspeed, r.cann, r.torchnpu_product or "-", r.torch or "-", r.megatron_core or "-", _installs_as(r))
+        (
+            r.mindspeed, r.cann, r.torchnpu_product or "-", r.torch or "-", r.megatron_core or "-", _installs_as(r),
+            r.released_with or "-",
+        )
         for r in MINDSPEED
-    ]
-    lines += _table(("MindSpeed", "CANN", "TorchNPU product", "torch", "megatron-core", "pip shows"), rows) + [""]
+    ]  # fmt: skip
+    header = ("MindSpeed", "CANN (from)", "TorchNPU product", "torch", "megatron-core", "pip shows", "released with")
+    lines += _table(header, rows) + [""]
     lines += ["## Python per torch", ""]
     lines += _table(("torch", "Python"), [(t, f"{lo} – {hi}") for t, (lo, hi) in TORCH_PYTHON.items()]) + [""]
     lines += ["## Known-bad releases", ""]

@@ -7,7 +7,9 @@ tested stack of this platform. The rules read the tables; adding a release is a 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import re
+from pathlib import Path
 
 from .ascend import cann_for_torch_npu
 from .check import Check
@@ -21,12 +23,52 @@ DECLARERS = ("mindspeed",)
 _REQUIRES = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]*)\s*(?:\[[^\]]*\])?\s*\(?([^;()]*)\)?\s*(?:;(.*))?$")
 
 
+# Both MindSpeed branches we hold declare ``__version__ = '0.12.1'`` in their setup.py, so pip shows either as
+# mindspeed 0.12.1. A file one branch has and the other lacks tells them apart (diff of the two archives'
+# mindspeed/ trees, ../shared/upstream): 26.1.0 added the dist-checkpointing adaptor, 2.2.0 still has the legacy
+# pipe-experts MoE module. First match wins.
+MINDSPEED_BRANCH_MARKERS = (
+    ("26.1.0", "core/dist_checkpointing/checkpoint_adaptor.py"),
+    ("2.2.0", "moe/pipe_experts.py"),
+)
+UNKNOWN_BRANCH = "unknown"
+
+
+def mindspeed_package_dir() -> Path | None:
+    """The installed ``mindspeed`` package's directory, found without importing it (its adaptor patches torch at
+    import); None without one, or for PyPI's empty placeholder (no megatron_adaptor.py)."""
+    try:
+        spec = importlib.util.find_spec("mindspeed")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / "megatron_adaptor.py").is_file():
+            return Path(location)
+    return None
+
+
+def mindspeed_branch(package_dir: Path | None) -> tuple[str, str] | None:
+    """(branch, evidence) of the MindSpeed source in ``package_dir``: a release of MINDSPEED_BRANCH_MARKERS and the
+    marker file found, or (UNKNOWN_BRANCH, why) when it has none of them; None without a package."""
+    if package_dir is None:
+        return None
+    for branch, marker in MINDSPEED_BRANCH_MARKERS:
+        if (package_dir / marker).is_file():
+            return branch, f"has mindspeed/{marker}"
+    markers = ", ".join(f"mindspeed/{m}" for _, m in MINDSPEED_BRANCH_MARKERS)
+    return UNKNOWN_BRANCH, f"none of {markers} in {package_dir}"
+
+
 def observed(ctx) -> dict[str, str]:
-    """Package versions plus the host facts the matrix pins (cann, python)."""
+    """Package versions plus the host facts the matrix pins (cann, python) and, for an installed MindSpeed, the
+    branch its files show (``mindspeed-branch``, ``mindspeed-evidence``)."""
     seen = dict(ctx.versions)
     cann = (ctx.planned or {}).get("cann") or ctx.install.cann
     if cann:
         seen["cann"] = cann
+    found = mindspeed_branch(mindspeed_package_dir()) if ctx.planned is None and "mindspeed" in seen else None
+    if found:
+        seen["mindspeed-branch"], seen["mindspeed-evidence"] = found
     return seen
 
 
@@ -49,6 +91,9 @@ def check_python(ctx) -> list[Check]:
 def check_listing(ctx) -> list[Check]:
     seen = {k: v for k, v in ctx.versions.items() if k != "python"}
     source = f"planned (from {ctx.versions_file})" if ctx.planned is not None else "installed"
+    found = mindspeed_branch(mindspeed_package_dir()) if ctx.planned is None and "mindspeed" in seen else None
+    if found:  # on every platform, not only where compat-mindspeed runs: pip's 0.12.1 names no branch
+        seen["mindspeed"] += f" (branch {found[0]})"
     listed = ", ".join(f"{k} {v}" for k, v in sorted(seen.items())) or "none"
     checks = [Check("packages", "ok", f"{source}: {listed}")]
     if "torch" not in seen:
@@ -118,19 +163,35 @@ def mindspeed_row(version: str) -> MindSpeedRow | None:
     """MindSpeed's row for a release number (2.2.0, from --versions) or for what pip shows of a branch install
     (0.12.1: branch 2.2.0_core_r0.12.1 declares that version in its setup.py)."""
     want = release(version)
-    return next((r for r in MINDSPEED if want in (release(r.mindspeed), release(r.installs_as or r.mindspeed))), None)
+    exact = next((r for r in MINDSPEED if release(r.mindspeed) == want), None)
+    # 0.12.1 alone (a --versions file, no files to look at) is read as 2.2.0, the first branch that declared it;
+    # an installed MindSpeed is told apart by its files (mindspeed_branch)
+    return exact or next((r for r in MINDSPEED if r.installs_as and release(r.installs_as) == want), None)
 
 
 def check_mindspeed(seen: dict[str, str]) -> list[Check]:
     version = seen.get("mindspeed")
     if not version:
         return []
-    row = mindspeed_row(version)
+    branch, evidence = seen.get("mindspeed-branch"), seen.get("mindspeed-evidence", "")
+    if branch == UNKNOWN_BRANCH:
+        return [
+            Check(
+                "compat-mindspeed",
+                "warn",
+                f"MindSpeed (pip: {version}) is neither branch we test: {evidence}",
+                "install branch 26.1.0_core_r0.12.1 (maintained) or 2.2.0_core_r0.12.1 (verl's); docs/install-npu.md",
+            )
+        ]
+    row = mindspeed_row(branch or version)
     if row is None:
         return [
             Check("compat-mindspeed", "warn", f"MindSpeed {version} is not in the table", "see docs/version-matrix.md")
         ]
-    ms = row.mindspeed if release(version) == release(row.mindspeed) else f"{row.mindspeed} (pip: {version})"
+    if branch:  # an installed branch: say which one and the file that shows it
+        ms = f"{row.mindspeed} (branch {row.mindspeed}_core_r{row.megatron_core}: {evidence}; pip: {version})"
+    else:
+        ms = row.mindspeed if release(version) == release(row.mindspeed) else f"{row.mindspeed} (pip: {version})"
     core = seen.get("megatron-core")
     if row.megatron_core and core != row.megatron_core:
         return [
@@ -190,12 +251,13 @@ def check_stack(
     if stack is None:
         return []
     installed = seen
-    row = mindspeed_row(seen["mindspeed"]) if seen.get("mindspeed") else None
-    if row is not None:  # the stack pins MindSpeed releases; pip shows a branch's own version (0.12.1 = 2.2.0)
+    ms = seen.get("mindspeed-branch") or seen.get("mindspeed")
+    row = mindspeed_row(ms) if ms else None
+    if row is not None:  # the stack pins MindSpeed releases; pip shows a branch's own version (0.12.1)
         seen = {**seen, "mindspeed": row.mindspeed}
     differs, fixes = [], []
     for package, spec in stack.pins:
-        if _pin_ok(seen, package, spec):
+        if _pin_ok(seen, package, spec) or any(_pin_ok(seen, p, s) for p, s, _ in stack.field if p == package):
             continue
         cause = _declared_cause(package, spec, installed, declared or {})
         differs.append(f"{package} {seen.get(package, 'none')} (tested {spec.lstrip('=')}{cause[0] if cause else ''})")

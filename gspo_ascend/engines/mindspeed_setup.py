@@ -1,4 +1,5 @@
-"""How the megatron engine configures the real MindSpeed (branch 2.2.0_core_r0.12.1) for a Config.
+"""How the megatron engine configures the real MindSpeed (branches 26.1.0_core_r0.12.1, recommended, and
+2.2.0_core_r0.12.1, verl's; docs/mindspeed-branches.md has what differs between them for us) for a Config.
 
 How MindSpeed chooses what to patch (read from its source, ``mindspeed/megatron_adaptor.py``,
 ``args_utils.py``, ``features_manager/``):
@@ -22,7 +23,9 @@ How MindSpeed chooses what to patch (read from its source, ``mindspeed/megatron_
   per-instance fields (``config.use_flash_attn``); no engine needs to pass them itself.
 * MC2: in this branch the adaptor's flag is ``use_ascend_mc2`` (MC2 linear layers, only with TP > 1 and sequence
   parallelism). ``--moe-bmm-mc2`` exists only in the legacy ``mindspeed/arguments.py`` and is read by MoE
-  functions the features-manager adaptor never installs; there is no ``--moe-alltoall-mc2``.
+  functions the features-manager adaptor never installs; 2.2.0 has no ``--moe-alltoall-mc2`` (26.1.0 adds one, which
+  we do not set). 26.1.0 refuses ``use_ascend_mc2`` without TP > 1 and SP (an AssertionError) where 2.2.0 warned and
+  ran without MC2; :func:`check_mc2` refuses it first either way.
 
 So the engine imports the adaptor with a neutral ``sys.argv`` (MindSpeed's defaults, never the launcher's
 arguments) and then calls ``repatch`` with :func:`mindspeed_args` (:func:`apply`). Every key is set explicitly,
@@ -178,6 +181,10 @@ def mindspeed_args(cfg: Config, *, moe: bool) -> dict[str, Any]:
         "position_embedding_type": "rope",
         "moe_token_dispatcher_type": "alltoall",  # mbridge's choice for every model (megatron needs it for
         # variable_seq_lengths); MindSpeed copies known keys into every TransformerConfig (module docstring)
+        # no FP8 (megatron-core's TransformerConfig default). MindSpeed 26.1.0's grouped GEMM reads args.fp8 at run
+        # time (core/transformer/moe/grouped_matmul_util.py get_gmm_quant_func); on the cluster Megatron-LM's
+        # parse_args defines it, and our engines never run that parser, so the key is ours to set
+        "fp8": None,
     }
 
 

@@ -92,6 +92,7 @@ import torch
 
 from ..compile import resolve_enforce_eager
 from ..errors import ConfigError, UserError
+from ..npu_profile import compilation_config
 from ..patches._core import APPLIED, SKIPPED
 from .base import Request, SampleBatch, SamplingParams, check_prompt_tokens, empty_batch, requests_for
 
@@ -541,6 +542,9 @@ class VLLMRolloutEngine:
             "enable_sleep_mode": self.sleep_supported,
             "worker_extension_cls": EXTENSION,
         }
+        graphs = compilation_config(self.cfg, kwargs["enforce_eager"])  # {} = vLLM's defaults (issue #26)
+        if graphs:
+            kwargs["compilation_config"] = graphs
         if self.host_build:
             kwargs["enable_chunked_prefill"] = False  # seeded sampling + chunked prefill crash the CPU worker
         if self.external_launcher:

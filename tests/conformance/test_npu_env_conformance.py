@@ -31,6 +31,7 @@ NOT_IN_THE_WHEELS = {
     "HCCL_NPU_SOCKET_PORT_RANGE": "CANN envref",
     "GLOO_SOCKET_IFNAME": "torch.distributed gloo",
     "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "Ray (ray/_private/accelerators/npu.py)",
+    "LD_PRELOAD": "glibc's dynamic loader, ld.so(8) (jemalloc, env/npu/atlas_800t_a2.sh)",
 }
 
 
@@ -72,6 +73,16 @@ CXX_READERS = {
         "torch_npu/csrc/core/npu/register/OptionsManager.h",
         "GetHCCLExecTimeout",
         "../shared/reference/npu_api.md HCCL table (CANN environment-variable reference)",
+    ),
+    "CPU_AFFINITY_CONF": (
+        "torch_npu/csrc/core/npu/register/OptionsManager.h",
+        "GetCpuAffinityConf",
+        "../shared/reference/npu_api.md section 5 (CPU_AFFINITY_CONF 0 / 1 / 2; Ascend torch_npu env reference)",
+    ),
+    "MULTI_STREAM_MEMORY_REUSE": (
+        "torch_npu/csrc/core/npu/register/OptionsManager.h",
+        "GetMultiStreamMemoryReuse",
+        "../shared/reference/npu_api.md section 5 (verl's NPU GSPO practice guide sets 1)",
     ),
     "HCCL_ASYNC_ERROR_HANDLING": (
         "torch_npu/csrc/distributed/ProcessGroupHCCL.hpp",

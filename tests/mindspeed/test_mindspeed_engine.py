@@ -24,6 +24,7 @@ import subprocess
 import pytest
 import torch
 
+from gspo_ascend.doctor.packages import mindspeed_branch, mindspeed_package_dir
 from tests.conftest import REPO
 from tests.integration.launch import rank_results
 
@@ -46,7 +47,15 @@ ONE_PROCESS = ["fsdp_dense", "fsdp_kv2", "fsdp_moe", "old_dense", "old_moe", "ms
 TWO_PROCESSES = ["old_cp2", "ms_dense_tp2", "ms_moe_ep2", "ms_dense_cp2", "ms_wide_sp2", "ms_wide_mc2"]
 MODEL_OF = {"ms_moe_tp1": "moe", "ms_moe_ep2": "moe", "ms_dense_tp2": "dense_kv2"}
 OLD_COMMIT_MISSING = "the old engine's commit is not in this checkout (shallow clone?)"
-MASK_ERROR = "RuntimeError: Please set micro_batch_size or set use_flash_attn=True in config."
+# The old engine's first forward without use_flash_attn ends in MindSpeed's mask generation
+# (core/transformer/flash_attention/generate_mask/generate_mask.py generate_attention_mask). 26.1.0 added a check
+# before 2.2.0's: it reads config.transformer_impl, a Megatron-LM argument that megatron-core 0.12.1's
+# TransformerConfig lacks and the old engine (no repatch) never set.
+MASK_ERRORS = {
+    "2.2.0": "RuntimeError: Please set micro_batch_size or set use_flash_attn=True in config.",
+    "26.1.0": "AttributeError: 'TransformerConfig' object has no attribute 'transformer_impl'",
+}
+MASK_ERROR = MASK_ERRORS.get((mindspeed_branch(mindspeed_package_dir()) or ("none",))[0])  # None: not installed
 DROPPED = (
     "MindSpeed options not accepted by this TransformerConfig, skipped: use_ascend_mc2, use_flash_attn, "
     "use_fused_rmsnorm, use_fused_rotary_pos_emb, use_fused_swiglu"

@@ -20,7 +20,7 @@ def test_matrix_holds_the_npu_stack():
     (npu,) = [s for s in matrix.STACKS if s.platform == "npu"]
     pins = dict(npu.pins)
     assert pins["cann"] == "==8.3.RC1" and pins["torch-npu"] == "==2.7.1" and pins["vllm-ascend"] == "==0.11.0"
-    assert pins["transformers"] == "==4.57.1" and pins["mindspeed"] == "==2.2.0"
+    assert pins["transformers"] == "==4.57.1" and pins["mindspeed"] == "==26.1.0"
     assert cann_for_torch_npu("2.7.1") == "8.3.RC1" and cann_for_torch_npu("2.8.0.post2") == "8.5.0"
     assert {b.package: b.versions for b in matrix.KNOWN_BAD}["transformers"] == ("4.53.0", "4.55.3")
 

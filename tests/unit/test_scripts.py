@@ -316,7 +316,7 @@ def test_requirements_npu_is_the_matrix_stack():
     (stack,) = [s for s in matrix.STACKS if s.platform == "npu"]
     for package, spec in stack.pins:
         assert package in pins and matches(pins[package], spec), (package, pins.get(package), spec)
-    assert pins["mindspeed"] == "2.2.0" and pins["megatron-core"] == "0.12.1" and pins["transformers"] == "4.57.1"
+    assert pins["mindspeed"] == "26.1.0" and pins["megatron-core"] == "0.12.1" and pins["transformers"] == "4.57.1"
     assert pins["vllm-ascend"] == "0.11.0"
     checks = (
         packages.check_torch_npu_pair(pins)
@@ -493,3 +493,15 @@ def test_cpu_script_trains_through_ray_job_submit(tmp_path):
         assert processes_mentioning(str(tmp)) == [] and not (tmp / "ray_current_cluster").exists()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("how", [["--branch", "2.3.0"], ["--branch=master"]])
+def test_check_mindspeed_refuses_an_unknown_branch_in_one_line(how, tmp_path):
+    """Only the two held branches (docs/mindspeed-branches.md); refused before any venv is built."""
+    env = {"PATH": os.environ["PATH"], "MINDSPEED_VENV": str(tmp_path / "venv")}
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts/check_mindspeed.sh"), *how], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "--branch" in proc.stderr and "26.1.0" in proc.stderr and "2.2.0" in proc.stderr
+    assert not (tmp_path / "venv").exists()

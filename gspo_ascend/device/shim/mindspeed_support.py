@@ -1,6 +1,7 @@
 """Stand-ins for the torch_npu and torchair pieces MindSpeed imports, so the real MindSpeed runs on a CPU.
 
-MindSpeed (branch 2.2.0_core_r0.12.1) is written against a real torch_npu 2.7.1 with CANN. Importing
+MindSpeed (branches 26.1.0_core_r0.12.1 and 2.2.0_core_r0.12.1) is written against a real torch_npu 2.7.1 with CANN
+(and, 26.1.0, Megatron-LM's megatron.training: megatron_training.py). Importing
 ``mindspeed.megatron_adaptor`` and letting it patch megatron-core touches more of torch_npu than our training
 code does. Each piece below was found by importing the unmodified MindSpeed under the shim, one fresh process per
 attempt, and adding a stand-in only where something failed (docs/device-shim.md lists them with the MindSpeed call
@@ -460,6 +461,10 @@ def install_mindspeed_support() -> None:
     sys.modules["torchair"] = torchair
     sys.modules["torchair.ge"] = ge
     sys.modules["acl"] = _build_acl()
+    from . import megatron_training
+
+    saved["megatron.training"] = {}
+    megatron_training.install(saved["megatron.training"])  # MindSpeed 26.1.0 imports it; megatron-core lacks it
     _saved = saved
 
 
@@ -493,6 +498,9 @@ def uninstall_mindspeed_support() -> None:
                 vars(owner).pop(name, None)
             else:
                 setattr(owner, name, previous)
+    from . import megatron_training
+
+    megatron_training.uninstall(_saved["megatron.training"])
     for name in _MODULES:
         previous = _saved[name]
         if previous is _MISSING:

@@ -1,0 +1,127 @@
+"""Stand-in for Megatron-LM's ``megatron.training`` package, for MindSpeed 26.1.0 on a machine with megatron-core
+only (issue #26).
+
+MindSpeed 26.1.0_core_r0.12.1's level-0 ``transformer-engine-basic`` feature (always applied) imports
+``mindspeed.te.pytorch.module.checkpoint`` while it registers its patches, and that chain reaches
+``mindspeed/te/pytorch/fp8/tensor/float8_tensor.py``, which does ``from megatron.training import get_args`` at
+module level. MindSpeed 2.2.0 never imported it on this path. On the cluster ``megatron.training`` comes from the
+Megatron-LM checkout (docs/install-npu.md installs core_v0.12.1 from source); PyPI's megatron-core wheel and
+sdist (what CPU venvs install) hold ``megatron/core`` only. So without this stand-in 26.1.0's adaptor cannot be
+imported here at all.
+
+What it emulates: the names MindSpeed 26.1.0 imports or patches in ``megatron.training`` when it finds the package
+(``features_manager/megatron_basic/megatron_basic.py`` register_non_mcore_basic_patches: arguments.parse_args /
+validate_args / _print_args, yaml_arguments.validate_yaml / _print_args, initialize._compile_dependencies,
+dist_signal_handler.get_device, utils.get_device_arch_version; ``args_utils.get_full_args``: global_vars.get_args,
+_GLOBAL_ARGS). ``get_args`` behaves as Megatron-LM's before ``initialize_megatron``: it asserts
+``'args is not initialized.'``, which MindSpeed's ``get_full_args`` catches to fall back to its own arguments
+(the message it matches is Megatron-LM's ``_ensure_var_is_initialized``). The training-loop functions exist only
+to be patched: our engines never parse Megatron-LM's command line or run its training loop, and calling one says
+so. With the package present MindSpeed takes the path it takes on the cluster (``only_mcore`` False).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+# module -> functions it must have (what MindSpeed 26.1.0 patches); get_args / _GLOBAL_ARGS are added separately
+_FUNCTIONS = {
+    "megatron.training.arguments": ("parse_args", "validate_args", "_print_args"),
+    "megatron.training.yaml_arguments": ("validate_yaml", "_print_args"),
+    "megatron.training.initialize": ("_compile_dependencies",),
+    "megatron.training.dist_signal_handler": ("get_device",),
+    "megatron.training.utils": ("get_device_arch_version",),
+    "megatron.training.global_vars": (),
+}
+MODULES = ("megatron.training", *_FUNCTIONS)
+
+
+def needed() -> bool:
+    """True when MindSpeed's TE-basic feature imports the fp8 chain (26.1.0) and no real megatron.training exists."""
+    try:
+        if importlib.util.find_spec("megatron.training") is not None:
+            return False
+        spec = importlib.util.find_spec("mindspeed")
+    except (ImportError, ValueError):
+        return False
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        feature = f"{location}/features_manager/megatron_basic/transformer_engine_basic.py"
+        try:
+            with open(feature, encoding="utf-8") as f:
+                return "mindspeed.te.pytorch.module.checkpoint" in f.read()
+        except OSError:
+            continue
+    return False
+
+
+def _module(name: str, *, package: bool = False) -> types.ModuleType:
+    module = types.ModuleType(name, f"CPU-shim stand-in for Megatron-LM's {name} (gspo_ascend.device.shim).")
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=package)
+    if package:
+        module.__path__ = []
+    module._gspo_shim = True
+    return module
+
+
+def _not_emulated(qualname: str):
+    def function(*args, **kwargs):
+        raise NotImplementedError(f"{qualname} of Megatron-LM is not emulated by the CPU shim (nothing here runs it)")
+
+    function.__name__ = qualname.rsplit(".", 1)[-1]
+    function.__qualname__ = function.__name__
+    return function
+
+
+def build() -> dict[str, types.ModuleType]:
+    """The stand-in modules by name (the caller puts them into sys.modules and removes them again)."""
+    modules = {"megatron.training": _module("megatron.training", package=True)}
+    for name, functions in _FUNCTIONS.items():
+        module = _module(name)
+        for function in functions:
+            setattr(module, function, _not_emulated(f"{name}.{function}"))
+        modules[name] = module
+        setattr(modules["megatron.training"], name.rsplit(".", 1)[-1], module)
+    global_vars = modules["megatron.training.global_vars"]
+    global_vars._GLOBAL_ARGS = None
+
+    def get_args():
+        assert global_vars._GLOBAL_ARGS is not None, "args is not initialized."  # Megatron-LM's message
+        return global_vars._GLOBAL_ARGS
+
+    global_vars.get_args = get_args
+    modules["megatron.training"].get_args = get_args
+    return modules
+
+
+def install(saved: dict) -> None:
+    """Put the stand-ins in place when :func:`needed`; records what it replaced in ``saved``."""
+    if not needed():
+        return
+    import megatron
+
+    for name, module in build().items():
+        saved[name] = sys.modules.get(name)
+        sys.modules[name] = module
+    saved["megatron.training attr"] = vars(megatron).get("training")
+    megatron.training = sys.modules["megatron.training"]
+
+
+def uninstall(saved: dict) -> None:
+    if "megatron.training" not in saved:
+        return
+    for name in MODULES:
+        previous = saved.pop(name, None)
+        if previous is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = previous
+    megatron = sys.modules.get("megatron")
+    previous = saved.pop("megatron.training attr", None)
+    if megatron is not None:
+        if previous is None:
+            vars(megatron).pop("training", None)
+        else:
+            megatron.training = previous

@@ -1,0 +1,239 @@
+"""The NPU performance profile (issue #26): verl's NPU GSPO practice guide held to the pinned code.
+
+Each setting of that guide is either part of our NPU runtime environment (``env/npu/``), an opt-in config key, or
+left out with its reason; :data:`SETTINGS` is the table (rendered in docs/install-npu.md, "Performance profile",
+and read by ``gspo-ascend doctor``'s ``npu-profile`` line). The conformance suite
+(tests/conformance/test_npu_profile_conformance.py) holds every "read by" claim to the pinned torch-npu 2.7.1 /
+vllm-ascend 0.11.0 wheels.
+
+Rollout graph mode (``rollout.enforce_eager: false``) and its couplings live here too, torch-free:
+
+* :func:`graph_problems` (a config validator: one line, exit 2): the graph keys need graph mode and the vLLM
+  engine; vllm-ascend 0.11.0 supports only PIECEWISE and FULL_DECODE_ONLY on NPU (``platform.py``: FULL falls
+  back to NONE = eager, FULL_AND_PIECEWISE to PIECEWISE, silently); capture sizes within the decode batch one
+  rollout engine runs (a larger size is captured, holds memory and is never replayed).
+* :func:`environment_problems` (at the start of ``train``, on the driver, whose environment is the job's
+  runtime_env): ACL graphs need ``TASK_QUEUE_ENABLE=1`` (the guide; level 2 conflicts with ACL graph capture),
+  and the vllm-ascend switches' own couplings read from their source.
+
+Why graph mode is allowed for our rollout on vllm-ascend 0.11.0 (read from its source, not run: no NPU here):
+sleep level 1 (``device_allocator/camem.py``) unmaps the weights' and KV cache's physical memory and ``wake_up``
+maps new memory at the *same* virtual addresses (``create_and_map(handle)`` with the recorded pointer) and copies
+the weights back; our weight update (``update_weights`` -> ``model.load_weights``) copies into the existing
+parameters (``param.data.copy_``: same storage); with ``VLLM_ASCEND_ENABLE_NZ=0`` (our profile)
+``process_weights_after_loading`` re-lays nothing out. So the addresses captured in an ACL graph keep holding the
+current weights. What would break it is a re-allocating update (``param.data = new``), which the CPU test
+tests/integration/test_vllm_graph_weights.py rules out for our update path.
+
+Beside MindSpeed (the megatron engine in the same process as an in-process vLLM, rollout TP > 1): MindSpeed's
+adaptor replaces ``torch.compile`` process-wide with a pass-through, under which vLLM would capture nothing (verl
+needed ``use_original_torch_compile`` for this). Every vLLM call of our engine, the build that captures included,
+runs in ``mindspeed_setup.patches_lifted()`` with torch's own ``torch.compile`` back
+(tests/mindspeed/test_mindspeed_engine.py::test_vllm_calls_run_with_the_process_wide_torch_patches_lifted), so
+graph mode needs no refusal there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+# vllm-ascend 0.11.0 platform.py check_and_update_config: the cudagraph modes it runs on NPU. FULL_AND_PIECEWISE is
+# turned into PIECEWISE and any other mode (FULL) into NONE, both without an error.
+NPU_GRAPH_MODES = ("PIECEWISE", "FULL_DECODE_ONLY")
+# vLLM 0.11.0 vllm/config/compilation.py CUDAGraphMode members (what the key may say on CUDA / CPU)
+GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+# Where jemalloc's shared library lies on the distributions Ascend supports (Debian/Ubuntu multiarch, RHEL-likes,
+# a source build); env/npu/atlas_800t_a2.sh preloads the first that exists (tests keep the two lists equal).
+JEMALLOC_PATHS = (
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib64/libjemalloc.so.2",
+    "/usr/local/lib/libjemalloc.so.2",
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the environment variable or config key
+    value: str  # what the guide sets
+    where: str  # env/npu file, config key, "opt-in" (the user's runtime_env) or "left out"
+    reader: str  # what of the pinned stack reads it (checked by the conformance suite)
+    why: str
+
+
+SETTINGS = (
+    Setting(
+        "rollout.enforce_eager", "false", "config key (opt-in)", "vLLM 0.11.0 EngineArgs.enforce_eager",
+        "ACL graph rollout (+15-20 % rollout in the guide); allowed with sleep / wake-up and weight updates "
+        "(module docstring); eager stays the NPU default",
+    ),
+    Setting(
+        "rollout.cudagraph_mode", "FULL_DECODE_ONLY", "config key (opt-in)",
+        "vllm-ascend 0.11.0 platform.py check_and_update_config",
+        "only PIECEWISE and FULL_DECODE_ONLY run on NPU; refused in eager mode",
+    ),
+    Setting(
+        "rollout.cudagraph_capture_sizes", "[8 ... 384]", "config key (opt-in)",
+        "vLLM 0.11.0 CompilationConfig.cudagraph_capture_sizes",
+        "each size within the sequences one rollout engine decodes at once",
+    ),
+    Setting(
+        "TASK_QUEUE_ENABLE", "1 with ACL graphs, 2 eager", "env/npu/mc2_env.yaml (2) + the vLLM engine's default",
+        "torch_npu 2.7.1 OptionsManager GetTaskQueueEnable", "graph mode refused at train start unless it is 1",
+    ),
+    Setting(
+        "CPU_AFFINITY_CONF", "1", "env/npu/mc2_env.yaml", "torch_npu 2.7.1 OptionsManager GetCpuAffinityConf",
+        "coarse core binding of each NPU's host threads (off by default)",
+    ),
+    Setting(
+        "MULTI_STREAM_MEMORY_REUSE", "1", "env/npu/mc2_env.yaml",
+        "torch_npu 2.7.1 OptionsManager GetMultiStreamMemoryReuse (ReuseMode 1 = ERASE_RECORD_STREAM)",
+        "frees blocks used on side streams without waiting for record_stream events",
+    ),
+    Setting(
+        "LD_PRELOAD", "libjemalloc.so.2", "env/npu/atlas_800t_a2.sh (when found)", "glibc's dynamic loader",
+        "host memory of long Ray runs is returned to the OS; doctor says when jemalloc is missing",
+    ),
+    Setting(
+        "HCCL_OP_EXPANSION_MODE", "AIV", "left out", "CANN HCCL; vllm-ascend 0.11.0 utils.py update_aclgraph_sizes",
+        "A2 documents AIV for inference only and caps HCCL_EXEC_TIMEOUT at 1091 s (ours: 3600); one runtime_env "
+        "covers training and rollout processes alike",
+    ),
+    Setting(
+        "VLLM_ASCEND_ENABLE_FLASHCOMM1", "1", "opt-in", "vllm-ascend 0.11.0 envs.py",
+        "verl's VLLM_ASCEND_ENABLE_FLASHCOMM is 0.11.0's legacy spelling (not in envs.py); needs rollout TP > 1 "
+        "and, with graphs, capture sizes that are multiples of TP",
+    ),
+    Setting(
+        "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE", "1", "opt-in", "vllm-ascend 0.11.0 envs.py",
+        "replaces vllm-ascend's linear ops; its own comment warns of hidden issues beyond dense models; not run "
+        "against our weight updates on an NPU",
+    ),
+    Setting(
+        "VLLM_ASCEND_ENABLE_PREFETCH_MLP", "1", "opt-in", "vllm-ascend 0.11.0 envs.py",
+        "acts only with DENSE_OPTIMIZE=1 and forwards under 500 tokens (ascend_forward_context.py)",
+    ),
+)  # fmt: skip
+
+
+def decode_batch(cfg) -> int:
+    """Sequences one rollout engine decodes at once: the batch's samples over the rollout groups."""
+    world = cfg.trainer.nnodes * cfg.trainer.devices_per_node
+    groups = max(world // max(cfg.rollout.tensor_parallel_size, 1), 1)
+    return max(cfg.data.train_batch_size * cfg.rollout.n // groups, 1)
+
+
+def _graph_keys_set(r) -> list[str]:
+    return [k for k in ("cudagraph_mode", "cudagraph_capture_sizes") if getattr(r, k) is not None]
+
+
+def graph_problems(cfg) -> Iterable[str]:
+    """One-line problems of the graph-mode keys (a config validator)."""
+    r = cfg.rollout
+    keys = _graph_keys_set(r)
+    if keys and (r.engine != "vllm" or r.enforce_eager is not False):
+        yield (
+            f"config key 'rollout.{keys[0]}' applies only to ACL / CUDA graph rollout, which this config does not "
+            "run; set rollout.engine: vllm and rollout.enforce_eager: false, or remove it"
+        )
+        return
+    if r.cudagraph_mode is not None:
+        modes = NPU_GRAPH_MODES if cfg.trainer.device == "npu" else GRAPH_MODES
+        if r.cudagraph_mode not in modes:
+            why = " (vllm-ascend 0.11.0 turns the others into eager or PIECEWISE)" if modes == NPU_GRAPH_MODES else ""
+            yield f"config key 'rollout.cudagraph_mode' is '{r.cudagraph_mode}'; use one of {', '.join(modes)}{why}"
+    sizes = r.cudagraph_capture_sizes
+    if sizes is not None:
+        limit = decode_batch(cfg)
+        if not sizes or any(s <= 0 for s in sizes):
+            yield f"config key 'rollout.cudagraph_capture_sizes' must be a non-empty list of sizes > 0, got {sizes}"
+        elif max(sizes) > limit:
+            yield (
+                f"config key 'rollout.cudagraph_capture_sizes' has {max(sizes)} > {limit}, the sequences one "
+                "rollout engine decodes at once (data.train_batch_size x rollout.n / rollout groups); such a graph "
+                f"is captured and never replayed: keep sizes <= {limit}"
+            )
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    try:
+        return bool(int(env.get(name, "0")))  # vllm-ascend 0.11.0 envs.py: bool(int(os.getenv(name, '0')))
+    except ValueError:
+        return False
+
+
+def environment_problems(cfg, backend_name: str, env: Mapping[str, str]) -> list[str]:
+    """The profile's couplings with the job's environment, for an NPU vLLM rollout (empty elsewhere)."""
+    r = cfg.rollout
+    if backend_name != "npu" or r.engine != "vllm":
+        return []
+    found = []
+    if r.enforce_eager is False and r.cudagraph_mode is not None and r.cudagraph_mode not in NPU_GRAPH_MODES:
+        # trainer.device=auto resolved to the NPU: the config validator could not know
+        found.append(
+            f"config key 'rollout.cudagraph_mode' is '{r.cudagraph_mode}'; on NPU use one of "
+            f"{', '.join(NPU_GRAPH_MODES)} (vllm-ascend 0.11.0 turns the others into eager or PIECEWISE)"
+        )
+    queue = env.get("TASK_QUEUE_ENABLE")
+    if r.enforce_eager is False and queue is not None and queue != "1":
+        found.append(
+            f"config key 'rollout.enforce_eager' is false (ACL graph rollout), which needs TASK_QUEUE_ENABLE=1; the "
+            f'environment has {queue} (env/npu/mc2_env.yaml sets 2 for eager): set TASK_QUEUE_ENABLE: "1" in the '
+            "job's runtime_env"
+        )
+    if _flag(env, "VLLM_ASCEND_ENABLE_FLASHCOMM1") and r.tensor_parallel_size < 2:
+        found.append(
+            "VLLM_ASCEND_ENABLE_FLASHCOMM1=1 needs rollout.tensor_parallel_size > 1 (vllm-ascend 0.11.0: a "
+            "tensor-parallel communication scheme); unset it or raise the rollout TP"
+        )
+    sizes, tp = r.cudagraph_capture_sizes, r.tensor_parallel_size
+    if _flag(env, "VLLM_ASCEND_ENABLE_FLASHCOMM1") and r.enforce_eager is False and sizes and tp > 1:
+        odd = [s for s in sizes if s % tp]
+        if odd:
+            found.append(
+                f"config key 'rollout.cudagraph_capture_sizes' has {odd}, not multiples of rollout TP {tp}: with "
+                "VLLM_ASCEND_ENABLE_FLASHCOMM1=1 vllm-ascend 0.11.0 drops them (platform.py); use multiples of TP"
+            )
+    if _flag(env, "VLLM_ASCEND_ENABLE_PREFETCH_MLP") and not _flag(env, "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE"):
+        found.append(
+            "VLLM_ASCEND_ENABLE_PREFETCH_MLP=1 does nothing without VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE=1 "
+            "(vllm-ascend 0.11.0 ascend_forward_context.py); set both or unset it"
+        )
+    return found
+
+
+def check_environment(cfg, backend_name: str, env: Mapping[str, str] | None = None) -> None:
+    """Raise the first :func:`environment_problems` finding as a ConfigError (one line, exit 2)."""
+    from .errors import ConfigError
+
+    found = environment_problems(cfg, backend_name, os.environ if env is None else env)
+    if found:
+        more = f" (and {len(found) - 1} more: {'; '.join(found[1:])})" if len(found) > 1 else ""
+        raise ConfigError(found[0] + more)
+
+
+def compilation_config(cfg, eager: bool) -> dict:
+    """vLLM's ``compilation_config`` for the graph keys; {} in eager mode or when none is set (vLLM's defaults)."""
+    r = cfg.rollout
+    if eager:
+        return {}
+    out: dict = {}
+    if r.cudagraph_mode is not None:
+        out["cudagraph_mode"] = r.cudagraph_mode
+    if r.cudagraph_capture_sizes is not None:
+        out["cudagraph_capture_sizes"] = sorted(set(r.cudagraph_capture_sizes))
+    return out
+
+
+def jemalloc_path(exists=os.path.exists) -> str | None:
+    return next((p for p in JEMALLOC_PATHS if exists(p)), None)
+
+
+def render_table() -> str:
+    """The profile as the markdown table docs/install-npu.md holds ("Performance profile"; a test keeps them equal)."""
+    rows = ["| setting | verl's guide | here | read by (pinned) | why |", "|---|---|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.value} | {s.where} | {s.reader} | {s.why} |" for s in SETTINGS]
+    return "\n".join(rows) + "\n"

@@ -73,7 +73,8 @@ def _stat(values: list[float]) -> str:
     if not values:
         return "-"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+    digits = 3 if max(abs(v) for v in values) < 10 else 0  # accuracies and rewards; counts and seconds whole
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
 def done(variant: str, seed: int) -> list[dict]:
@@ -135,7 +136,8 @@ def report(seeds: int) -> str:
         per_variant[variant] = runs
         if runs:
             cells = [_stat([r[k] for r in runs]) for k, _ in COLUMNS]
-            lines.append(f"| {variant} ({len(runs)} seeds) | " + " | ".join(cells) + " |")
+            seeds_run = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
+            lines.append(f"| {variant} ({seeds_run}) | " + " | ".join(cells) + " |")
     lines += ["", "Validation accuracy by step (mean over seeds):", ""]
     for variant, runs in per_variant.items():
         if not runs:

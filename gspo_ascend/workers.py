@@ -227,13 +227,17 @@ class WorkerGroup:
         shards = batch.split(self.world_size)
         return self._get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shards, strict=True)])
 
+    def _rollout_tp(self) -> int:
+        """Ranks per rollout group: rollout.tensor_parallel_size with vLLM, 1 with hf (no rollout TP)."""
+        return self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.engine == "vllm" else 1
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> SampleBatch:
         """Each rollout tensor-parallel group of ranks (1 rank unless rollout.engine=vllm with TP > 1) gets a
         contiguous slice of the prompts and its own seed; the group's first rank's samples are kept."""
 
         from .engines.vllm_rollout import gather_rollout_shards, split_rollout_prompts
 
-        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.engine == "vllm" else 1
+        tp = self._rollout_tp()
         parts = split_rollout_prompts(prompts, params, self.world_size, tp)
         shards = self._get([w.generate.remote(p, sp) for w, (p, sp) in zip(self.workers, parts, strict=True)])
         return gather_rollout_shards(shards, tp)
@@ -244,7 +248,7 @@ class WorkerGroup:
         order and ``group_index`` is the request's position in ``requests``."""
         from .engines.vllm_rollout import rollout_tp_groups
 
-        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.engine == "vllm" else 1
+        tp = self._rollout_tp()
         groups = rollout_tp_groups(self.world_size, tp)
         runs = balanced_runs([q.n for q in requests], len(groups))
         calls = [
@@ -266,7 +270,7 @@ class WorkerGroup:
 
         from .engines.vllm_rollout import rollout_tp_groups
 
-        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.engine == "vllm" else 1
+        tp = self._rollout_tp()
         groups = rollout_tp_groups(self.world_size, tp)
         out: list[SampleBatch] = []
         for start in range(0, len(requests), len(groups)):

@@ -45,8 +45,8 @@ def behavior_weights(
     delta = torch.where(counted, prox_log_prob.float() - behavior_log_prob.float(), torch.zeros(()))
     lengths = mask.sum(-1).clamp(min=1)
     raw = torch.exp(delta.sum(-1) / lengths)
-    weights = torch.where(counted.any(-1), raw.clamp(max=cap), torch.ones(()))
-    rows = counted.any(-1)
+    rows = counted.any(-1)  # samples with a stale token; the others keep weight 1 exactly
+    weights = torch.where(rows, raw.clamp(max=cap), torch.ones(()))
     picked = weights[rows]
     metrics = {
         "behavior/weight_mean": float(picked.mean()) if picked.numel() else 1.0,

@@ -145,7 +145,7 @@ def _import_megatron(backend: Backend, mindspeed_args: dict[str, Any] | None = N
         importlib.import_module("mbridge")
     except ImportError as exc:
         raise UserError(f"actor.engine=megatron needs megatron-core and mbridge ({exc}); see docs/engines.md") from None
-    patch_megatron_core()  # what the cluster pin (megatron-core 0.12) needs; a no-op on 0.16
+    patch_megatron_core()  # what this megatron-core needs (0.12: the cluster pin; 0.16 without TE)
 
 
 def _configure_mindspeed(backend: Backend, args: dict[str, Any]) -> None:

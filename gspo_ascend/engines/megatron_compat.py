@@ -1,12 +1,13 @@
-"""Fixes for megatron-core releases older than CI's, found by running the cluster pins (megatron-core 0.12.1,
-``requirements-gpu.txt`` / ``requirements-npu.txt``) on CPU with ``scripts/check_pinned_stack.sh``.
+"""Fixes for megatron-core releases: older ones than CI's, found by running the cluster pins (megatron-core 0.12.1,
+``requirements-gpu.txt`` / ``requirements-npu.txt``) on CPU with ``scripts/check_pinned_stack.sh``, and CI's own
+0.16 without Transformer Engine, found by the first GPU proof to run the MoE checks on an H100.
 
 Each fix is chosen by probing the installed megatron-core's behaviour, not its version string, so it switches
-itself off on a release (or a MindSpeed / Transformer Engine install) that does not need it, and leaves CI's
-megatron-core 0.16 untouched. Nothing here runs on import: the megatron engine (and the tests that drive megatron
-directly) call :func:`patch_megatron_core` after ``import megatron.core`` and :func:`destroy_model_parallel`
-instead of megatron's. How we differ from verl: verl runs megatron-core 0.12 only with Transformer Engine
-installed and one parallel layout per process, so it never meets either problem.
+itself off on a release (or a MindSpeed / Transformer Engine install) that does not need it. Nothing here runs
+on import: the megatron engine (and the tests that drive megatron directly) call :func:`patch_megatron_core`
+after ``import megatron.core`` and :func:`destroy_model_parallel` instead of megatron's.
+How we differ from verl: verl runs megatron-core 0.12 only with Transformer Engine installed and one parallel
+layout per process, so it meets none of these problems.
 """
 
 from __future__ import annotations
@@ -23,7 +24,32 @@ def patch_megatron_core() -> list[str]:
     applied = []
     if _allow_distributed_optimizer_without_te():
         applied.append("fp8-quantize-empty-shard")
+    if _route_without_te():
+        applied.append("router-gemm-without-te")
     return applied
+
+
+def _route_without_te() -> bool:
+    """megatron-core 0.16 without Transformer Engine: every MoE router forward raises ``NameError: name
+    'te_general_gemm' is not defined``.
+
+    ``moe/moe_utils.py`` binds ``te_general_gemm`` only inside its ``try: from ...transformer_engine import``, yet
+    ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None`` unconditionally. The fix binds the name
+    to None, the value megatron's own TE extension uses for "unavailable", which selects the function's
+    ``torch.mm`` path. Probed, not versioned: the function must read the name and the module must lack it (0.12
+    has no such function; with TE installed the import binds it). Seen on CUDA without TE (the local layer spec
+    docs/engines.md supports) and on CPU; NPU runs megatron-core 0.12.
+    """
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return False
+    gating = getattr(moe_utils, "RouterGatingLinearFunction", None)
+    if gating is None or "te_general_gemm" not in gating.forward.__code__.co_names:
+        return False
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
+    return moe_utils.te_general_gemm is None
 
 
 def _allow_distributed_optimizer_without_te() -> bool:

@@ -41,7 +41,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from gspo_ascend.engines.megatron_compat import destroy_model_parallel, patch_megatron_core  # noqa: E402
 
-patch_megatron_core()  # what megatron-core 0.12 (the cluster pin) needs to run; a no-op on CI's 0.16
+patch_megatron_core()  # what this megatron-core needs (0.12: the cluster pin; 0.16 without TE: the router)
 
 SEED = 1234
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 128, 16, 64, 2, 4

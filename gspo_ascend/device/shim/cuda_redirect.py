@@ -20,8 +20,9 @@ The emulated world: there is one "CUDA device", index 0, and it *is* the CPU.
   restores the state CPU random ops consume. A no-op stand-in would let tensor-parallel ranks that must
   initialise replicated weights identically drift apart.
 * Streams and events are synchronous stand-ins; ``synchronize()`` has nothing to wait for.
-* Two gaps that only show without CUDA / Transformer Engine: tensor split sizes for ``all_to_all_single``
-  and the ``te_general_gemm`` name in ``moe_utils``.
+* One gap that only shows without CUDA: tensor split sizes for ``all_to_all_single``. (The other, the
+  ``te_general_gemm`` name ``moe_utils`` lacks without Transformer Engine, is not the CPU's: CUDA without TE
+  meets it too, so the product fixes it, ``engines/megatron_compat.py``, and CI runs that fix.)
 * ``pin_memory=True`` in a factory is ignored: pinned host memory only speeds up host <-> device copies, and here
   the host memory is the device memory (a torch without an accelerator refuses to pin at all).
 
@@ -40,9 +41,7 @@ gloo (chosen by the caller). The purpose is executing megatron's real code paths
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import logging
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,13 +49,10 @@ from typing import Any
 import torch
 import torch.distributed
 
-from ._import_hooks import spec_with_after_exec
-
 # (object, attribute name, original value or _MISSING), in installation order; uninstall walks it backwards.
 _MISSING = object()
 _patched: list[tuple[Any, str, Any]] = []
 _installed = False
-_finder: importlib.abc.MetaPathFinder | None = None
 _log_filter: logging.Filter | None = None
 _script_aliases: list[Callable] = []
 
@@ -376,38 +372,6 @@ def _install_collectives() -> None:
     _patch(torch.distributed, "all_to_all_single", all_to_all_single)
 
 
-# --- megatron module fix-ups, applied when (or if already) the module is imported ------------------------
-
-
-def _define_te_general_gemm(module: Any) -> None:
-    """moe/moe_utils.py imports te_general_gemm only inside ``try: import transformer_engine``, yet
-    RouterGatingLinearFunction tests ``te_general_gemm is not None``: without TE that is a NameError. None is
-    the value megatron's own TE extension uses for "unavailable", selecting the torch.mm router path."""
-    if "te_general_gemm" not in vars(module):
-        _patch(module, "te_general_gemm", None)
-
-
-_FIXUPS: dict[str, Callable[[Any], None]] = {
-    "megatron.core.transformer.moe.moe_utils": _define_te_general_gemm,
-}
-
-
-class _FixupFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _FIXUPS:
-            return None
-        return spec_with_after_exec(self, fullname, path, target, _FIXUPS[fullname])
-
-
-def _install_fixups() -> None:
-    global _finder
-    for name, fixup in _FIXUPS.items():
-        if name in sys.modules:
-            fixup(sys.modules[name])
-    _finder = _FixupFinder()
-    sys.meta_path.insert(0, _finder)
-
-
 def install_cuda_redirect() -> None:
     """Make torch's CUDA API and CUDA device arguments work on the CPU (see the module docstring)."""
     global _installed
@@ -425,19 +389,15 @@ def install_cuda_redirect() -> None:
     _install_rng()
     _install_streams()
     _install_collectives()
-    _install_fixups()
     _install_device_mapping()
 
 
 def uninstall_cuda_redirect() -> None:
     """Restore every attribute :func:`install_cuda_redirect` replaced, in reverse order."""
-    global _installed, _log_filter, _finder
+    global _installed, _log_filter
     if not _installed:
         return
     _installed = False
-    if _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
-    _finder = None
     table = torch.jit._builtins._get_builtin_table()
     while _script_aliases:
         table.pop(id(_script_aliases.pop()), None)

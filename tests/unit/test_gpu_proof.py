@@ -67,6 +67,31 @@ def test_judge_selftest_parses_the_json_after_progress_lines(tmp_path):
     assert detail == "1 pass, 1 fail, 1 skip; training/x: off by 1e-1"
 
 
+def test_a_selftest_killed_at_its_limit_is_judged_on_the_checks_it_finished(tmp_path):
+    """The H100 run of 2026-11-26 killed the selftest at its limit after 24 checks had printed their lines; the
+    old judge said only "no JSON records". The lines below are report.render_line's, a fix line included."""
+    from gspo_ascend.selftest.report import Result, render_line
+
+    log = tmp_path / "selftest.log"
+    done = [
+        Result("setup/device", "pass", 0.0, "cuda: NVIDIA H100 80GB HBM3, 1 visible"),
+        Result("collectives", "skip", 0.0, "needs at least 2 devices (--devices 1)"),
+        Result("training/moe_megatron_tp1", "fail", 22.6, "rank 0 exited with 1: NameError: x", fix="see docs"),
+        Result("training/moe_fsdp_vs_megatron", "pass", 0.0, "weights within 5.8e-07"),
+    ]
+    log.write_text("gspo-ascend selftest (gspo-ascend 0.1.0): cuda\n" + "\n".join(map(render_line, done)) + "\n")
+    log.with_suffix(".out").write_text("")
+    status, detail, figures = gpu_proof.judge_selftest(_ctx(tmp_path), -9, log)
+    assert status == "fail" and figures["partial"]
+    assert (figures["pass"], figures["fail"], figures["skip"]) == (2, 1, 1)
+    assert [r["name"] for r in figures["records"]] == [r.name for r in done]
+    assert figures["records"][2]["seconds"] == 22.6
+    assert detail == (
+        "before it stopped: 2 pass, 1 fail, 1 skip; last finished training/moe_fsdp_vs_megatron; "
+        "training/moe_megatron_tp1: rank 0 exited with 1: NameError: x"
+    )
+
+
 # a step that starts a daemon in a session of its own (as Ray's GCS and raylet are), prints its pid, then hangs
 DAEMON_THEN_HANG = """
 import subprocess, sys, time

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["selftest", "small_model", "throughput_fsdp", "throughput_megatron", "trl", "train"]  # train last: the longest
+STEPS = ["selftest", "small_model", "train", "throughput_fsdp", "throughput_megatron", "trl"]
 
 
 def test_the_proof_runs_every_step_on_the_cpu(tmp_path):

@@ -109,8 +109,10 @@ def _stopped_message(run: Run, last: int) -> str:
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, Timer()
-    versions = None  # each token's weights version, with partial rollout
-    if run.scheduler is None:
+    versions = None  # each token's weights version, with partial rollout or a rollout pool
+    if run.pipeline is not None:
+        batch, rewards, versions, metrics = take_pipelined(run, step, timer)
+    elif run.scheduler is None:
         prompts = next_prompts(run)
         with timer("rollout"):
             batch = rollout(run, prompts, step)
@@ -126,8 +128,14 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         metrics |= correct_behavior(run, batch, versions < step - 1)
     with timer("update"):
         metrics |= run.workers.update(batch, cfg.rollout.temperature, cfg.algorithm.minibatches_per_rollout)
-    with timer("sync"):
-        metrics |= run.workers.sync_weights()
+    if run.pipeline is None:
+        with timer("sync"):
+            metrics |= run.workers.sync_weights()
+    elif run.pipeline.max_staleness == 0 or validation.is_due(run, step):  # the rollout pool gets these weights now
+        with timer("sync"):
+            metrics |= sync_pool(run, after_update=True)
+        if run.pipeline.max_staleness == 0 and step < cfg.trainer.total_steps:
+            run.pipeline.submit(run, step + 1, rollout_params(run, step + 1))
     metrics |= batch_metrics(batch) | timer.metrics(batch.num_tokens())
     metrics |= validation.due(run, step)  # held-out prompts every trainer.test_freq steps and at the last
     run.logger.log(step, metrics)
@@ -201,13 +209,42 @@ def collect(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tenso
     return got.batch, got.rewards, got.versions, got.metrics
 
 
+def take_pipelined(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tensor, torch.Tensor, dict]:
+    """A rollout pool (pipeline.py): batch ``step`` from the pool; one step off, the pool then gets the trainer's
+    weights and starts batch ``step + 1`` before this one is scored and trained."""
+    pipeline = run.pipeline
+    with timer("wait_rollout"):  # the trainer's idle time: it has nothing to do until this batch is here
+        rows, batch, version = pipeline.take(run, step, rollout_params(run, step))
+    metrics: dict[str, float] = {}
+    if pipeline.max_staleness >= 1 and step < run.cfg.trainer.total_steps:
+        with timer("sync"):
+            metrics |= sync_pool(run, after_update=False)
+        pipeline.submit(run, step + 1, rollout_params(run, step + 1))
+    prompts = [run.dataset[i] for i in rows]
+    with timer("reward"):
+        rewards, scored = score(run, batch, prompts, step)
+    metrics |= scored | {"async/staleness": float(step - 1 - version)}
+    metrics["reward/zero_var_group_frac"] = zero_variance_share(rewards, batch.group_index)
+    return batch, rewards, torch.full_like(batch.response_ids, version), metrics
+
+
+def sync_pool(run: Run, after_update: bool) -> dict[str, float]:
+    """The trainer's weights to the rollout pool, unless it holds them already (a validation step one step off
+    synced after its update; the next step's sync has nothing new to send)."""
+    workers = run.workers
+    if workers.rollout_version == workers.version:
+        return {}
+    metrics = workers.sync_weights()
+    return metrics if not after_update or run.pipeline.max_staleness == 0 else {"sync/extra_s": metrics["sync/time_s"]}
+
+
 def correct_behavior(run: Run, batch: SampleBatch, stale: torch.Tensor) -> dict[str, float]:
     """Weigh samples with stale tokens by the capped sequence weight pi_prox / mu (algorithms/behavior.py), applied
     to their advantages (exactly the weight on their clipped surrogate)."""
     from .algorithms.behavior import behavior_weights
 
     weights, metrics = behavior_weights(
-        batch.old_log_probs, batch.rollout_log_probs, stale, batch.response_mask, run.cfg.partial_rollout.behavior_cap
+        batch.old_log_probs, batch.rollout_log_probs, stale, batch.response_mask, run.cfg.algorithm.behavior_cap
     )
     batch.advantages = batch.advantages * weights
     return metrics
@@ -244,18 +281,26 @@ def start(run: Run) -> None:
     from .checkpoint import load_rng, load_trainer_state
     from .metrics import MetricsLogger
     from .partial_rollout import build_scheduler, load_scheduler
+    from .pipeline import build_pipeline, load_pipeline
+    from .pools import build_workers
     from .resume import load_failure
-    from .workers import WorkerGroup
 
-    run.workers = WorkerGroup(run.cfg, run.backend, run.model_path)
+    run.workers = build_workers(run.cfg, run.backend, run.model_path)
     run.scheduler = build_scheduler(run.cfg, run.sampler, run.dataset)
+    run.pipeline = build_pipeline(run.cfg)
     if run.resume_from is not None:
         state = load_trainer_state(run.resume_from)
         try:
             run.workers.load_checkpoint(str(run.resume_from / "engine"))
         except Exception as exc:
             raise load_failure(run.resume_from, exc) from None
-        run.workers.sync_weights()  # the rollout engine still holds the initial weights
+        load_pipeline(run.pipeline, run.resume_from)
+        if run.pipeline is not None:
+            run.workers.version = int(state["step"])  # the loaded weights' version
+        # the rollout engine still holds the initial weights. With a batch in flight (loaded above), the step that
+        # trains it sends them, as the uninterrupted run did at that step
+        if run.pipeline is None or run.pipeline.pending is None:
+            run.workers.sync_weights()
         run.sampler.load_state_dict(state["sampler"])
         load_scheduler(run.scheduler, run.resume_from)
         load_rng(run.resume_from)
@@ -276,6 +321,7 @@ def start(run: Run) -> None:
 def save_checkpoint(run: Run, step: int) -> None:
     from .checkpoint import abort, begin, commit, save_rng
     from .partial_rollout import STATE_FILE
+    from .pipeline import save_pipeline
     from .resume import state_record
     from .rundir import disk_full
 
@@ -285,6 +331,7 @@ def save_checkpoint(run: Run, step: int) -> None:
         save_rng(tmp)
         if run.scheduler is not None:  # the groups in flight, every token of them: a resume continues them
             torch.save(run.scheduler.state_dict(), tmp / STATE_FILE)
+        save_pipeline(run.pipeline, tmp)  # the batch in flight, waited for (before the sampler state below)
         state = {"step": step, "sampler": run.sampler.state_dict(), **state_record(run.cfg, run.model_path)}
         commit(tmp, step, state, keep_last=run.cfg.trainer.keep_last)
     except BaseException as exc:

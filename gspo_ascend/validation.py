@@ -399,10 +399,12 @@ def before_training(run: Any) -> None:
 def due(run: Any, step: int) -> dict[str, float]:
     """The validation metrics of ``step`` when it is a multiple of ``trainer.test_freq`` or the last step, else {}.
     A function of the step alone, so a resumed run validates the steps the uninterrupted one would have."""
+    return validate(run, step) if is_due(run, step) else {}
+
+
+def is_due(run: Any, step: int) -> bool:
     t = run.cfg.trainer
-    if run.val_set is None or t.test_freq <= 0 or (step % t.test_freq and step != t.total_steps):
-        return {}
-    return validate(run, step)
+    return run.val_set is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps)
 
 
 def validate(run: Any, step: int) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Ray workers: one actor per device, each holding the train engine and the rollout engine (colocated).
+"""Ray workers: one actor per device, each holding the train engine and the rollout engine (colocated), or one of
+them (a pool of a disaggregated run: pools.py).
 
 Layout. ``trainer.nnodes x trainer.devices_per_node`` actors are placed with one placement group whose bundles
 ask for one unit of the device contract's Ray resource (``GPU``, ``NPU``; CPU-only: CPUs) per actor. Rank 0's
@@ -56,7 +57,7 @@ class PolicyWorker:
 
         return this_node()
 
-    def setup(self, master_addr: str, master_port: int, train: bool = True) -> None:
+    def setup(self, master_addr: str, master_port: int, train: bool = True, rollout: bool = True) -> None:
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -71,9 +72,44 @@ class PolicyWorker:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         torch.distributed.init_process_group(backend.comm_backend, rank=self.rank, world_size=self.world_size)
         backend.manual_seed(self.cfg.trainer.seed)
-        # train=False: rollout only (`gspo-ascend eval` through Ray), no optimizer state held for nothing
+        self.backend = backend
+        # train=False: rollout only (`gspo-ascend eval`, a rollout pool), no optimizer state held for nothing;
+        # rollout=False: a trainer pool, no KV cache
         self.train_engine = build_train_engine(self.cfg, backend, self.model_path) if train else None
-        self.rollout_engine = build_rollout_engine(self.cfg, backend, self.model_path)
+        self.rollout_engine = build_rollout_engine(self.cfg, backend, self.model_path) if rollout else None
+
+    # -- the sync group between pools (disaggregated rollout; weight_sync.py) -------------------------------
+
+    def join_sync(self, addr: str, port: int, rank: int, world_size: int) -> None:
+        from .device.stateless_group import stateless_process_group
+
+        self.sync_rank = rank
+        self.sync_group = stateless_process_group(self.backend.comm_backend, addr, port, rank, world_size)
+
+    def send_weights(self, bucket_bytes: int, version: int) -> dict[str, float]:
+        """Trainer pool: every rank exports (a collective of the trainer world); rank 0 of the sync group sends."""
+        from .weight_sync import send
+
+        group = self.sync_group if getattr(self, "sync_rank", None) == 0 else None
+        return send(group, self.train_engine.export_weights(), bucket_bytes, version, self._sync_device())
+
+    def receive_weights(self) -> dict[str, float]:
+        """Rollout pool: the buckets, as they arrive, into the engine's ordinary ``update_weights``."""
+        from .weight_sync import Receiver
+
+        start = time.perf_counter()
+        received = Receiver(self.sync_group, self._sync_device())
+        loaded = self.rollout_engine.update_weights(received)  # what the colocated sync reports as sync/bytes
+        self.rollout_engine.sleep()
+        return {"sync/bytes": float(loaded), "sync/wire_bytes": float(received.bytes),
+                "sync/load_s": time.perf_counter() - start,
+                "sync/version": float(received.version if received.version is not None else -1)}  # fmt: skip
+
+    def _sync_device(self) -> Any:
+        """Where buckets live: host memory for gloo, the device for the device collectives (NCCL / HCCL)."""
+        import torch
+
+        return torch.device("cpu") if self.backend.comm_backend == "gloo" else self.backend.device(0)
 
     # -- the phases of a step ------------------------------------------------------------------------------
 
@@ -170,7 +206,12 @@ def actor_resources(bundle: dict[str, float]) -> dict[str, Any]:
 class WorkerGroup:
     """Driver-side handle on the ``world_size`` actors; methods mirror :class:`PolicyWorker`'s phases."""
 
-    def __init__(self, cfg: Config, backend, model_path: str, *, train: bool = True):
+    def __init__(
+        self, cfg: Config, backend, model_path: str, *, train: bool = True, rollout: bool = True, actors: int = 0
+    ):
+        """``cfg.trainer.nnodes x devices_per_node`` actors with the engines asked for (a pool of a disaggregated
+        run gets a config whose trainer layout is its own: pools.py); ``actors``: all the run's actors, when
+        other pools share the machines (0 = these alone), so CPU threads are split among all of them."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -179,9 +220,10 @@ class WorkerGroup:
 
         self.cfg = cfg
         self.world_size = cfg.trainer.nnodes * cfg.trainer.devices_per_node
-        _init_ray(backend, self.world_size)
+        actors = max(actors, self.world_size)
+        _init_ray(backend, actors)
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        threads = max(1, cpus // self.world_size) if backend.ray_resource is None or backend.emulated else 1
+        threads = max(1, cpus // actors) if backend.ray_resource is None or backend.emulated else 1
         bundle = {"CPU": threads} if backend.ray_resource is None else {"CPU": 1, backend.ray_resource: 1}
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         if not _wait_ready(self.pg, timeout_s=120):
@@ -215,7 +257,7 @@ class WorkerGroup:
             self.shutdown()
             raise
         addr, port = self._get([self.workers[0].address.remote()])[0]
-        self._all("setup", addr, port, train)
+        self._all("setup", addr, port, train, rollout)
 
     def _get(self, refs: list) -> list:
         return self.watch.get(refs)
@@ -234,13 +276,17 @@ class WorkerGroup:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> SampleBatch:
         """Each rollout tensor-parallel group of ranks (1 rank unless rollout.engine=vllm with TP > 1) gets a
         contiguous slice of the prompts and its own seed; the group's first rank's samples are kept."""
+        return self.submit(prompts, params).result()
 
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Pending:
+        """:meth:`generate`, started and not waited for (one-step-off: the next batch generates while the trainer
+        pool trains on this one)."""
         from .engines.vllm_rollout import gather_rollout_shards, split_rollout_prompts
 
         tp = self._rollout_tp()
         parts = split_rollout_prompts(prompts, params, self.world_size, tp)
-        shards = self._get([w.generate.remote(p, sp) for w, (p, sp) in zip(self.workers, parts, strict=True)])
-        return gather_rollout_shards(shards, tp)
+        refs = [w.generate.remote(p, sp) for w, (p, sp) in zip(self.workers, parts, strict=True)]
+        return Pending(lambda: gather_rollout_shards(self._get(refs), tp))
 
     def generate_requests(self, requests: list[Request], params: SamplingParams) -> SampleBatch:
         """Requests with their own budgets and seeds (partial_rollout.py), cut into one contiguous run per rollout
@@ -326,6 +372,18 @@ class WorkerGroup:
             for w in self.workers:
                 ray.kill(w)
             remove_placement_group(self.pg)
+
+
+class Pending:
+    """A rollout in flight: :meth:`result` waits for it (through the cluster watch: a lost rank is one line)."""
+
+    def __init__(self, wait: Callable[[], SampleBatch]) -> None:
+        self._wait, self._batch = wait, None
+
+    def result(self) -> SampleBatch:
+        if self._batch is None:
+            self._batch = self._wait()
+        return self._batch
 
 
 def balanced_runs(sizes: list[int], parts: int) -> list[tuple[int, int]]:

@@ -39,7 +39,7 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's storage as a flat uint8 view (bitwise: no cast)."""
     flat = tensor.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
@@ -63,7 +63,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
 def _pack(run: list[tuple[str, torch.Tensor]], version: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     entries, parts, offset = [], [], 0
     for name, tensor in run:
-        raw = _as_bytes(tensor)
+        raw = raw_bytes(tensor)
         entries.append({"name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
         pad = -raw.numel() % _ALIGN  # each tensor starts aligned: the receiver views the bucket without a copy
         parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=raw.device)] if pad else [raw]

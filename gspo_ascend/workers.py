@@ -105,6 +105,16 @@ class PolicyWorker:
                 "sync/load_s": time.perf_counter() - start,
                 "sync/version": float(received.version if received.version is not None else -1)}  # fmt: skip
 
+    def weight_digests(self) -> dict[str, str]:
+        """sha256 of every weight's bytes by HF name: the trainer's export (a collective: every trainer rank calls
+        it), or what this rank's hf rollout engine holds. The check that a sync delivered the export bitwise."""
+        import hashlib
+
+        from .weight_sync import raw_bytes
+
+        named = self.train_engine.export_weights() if self.train_engine is not None else self.rollout_engine.weights()
+        return {name: hashlib.sha256(raw_bytes(t).cpu().numpy().tobytes()).hexdigest() for name, t in named}
+
     def _sync_device(self) -> Any:
         """Where buckets live: host memory for gloo, the device for the device collectives (NCCL / HCCL)."""
         import torch

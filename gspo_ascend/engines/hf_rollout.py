@@ -219,6 +219,10 @@ class HFRolloutEngine:
             total += tensor.numel() * tensor.element_size()
         return total
 
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights this engine generates with, by HF name (what :meth:`update_weights` loads into)."""
+        yield from self._targets.items()
+
     def _target(self, name: str) -> torch.Tensor:
         """The model tensor (or the view into a fused expert tensor) that HF name ``name`` loads into."""
         if name in self._targets:

@@ -73,7 +73,9 @@ def consecutive_groups(world: int, size: int) -> list[list[int]]:
     return [list(range(g, g + size)) for g in range(0, world, size)]
 
 
-def node_local_groups(cfg: Config, world: int, train: bool = True) -> list[tuple[str, str, list[list[int]]]]:
+def node_local_groups(
+    cfg: Config, world: int, train: bool = True, rollout: bool = True
+) -> list[tuple[str, str, list[list[int]]]]:
     """(what, config key, groups) for every group of more than one rank that must lie within one node. A layout
     the sizes do not divide is left out: the engine building it names that problem itself."""
     a, out = cfg.actor, []
@@ -98,18 +100,18 @@ def node_local_groups(cfg: Config, world: int, train: bool = True) -> list[tuple
         key = "actor.ulysses_sequence_parallel_size"
         out.append(("Ulysses sequence-parallel", key, consecutive_groups(world, sp)))
     rollout_tp = cfg.rollout.tensor_parallel_size
-    if cfg.rollout.engine == "vllm" and world % rollout_tp == 0:
+    if rollout and cfg.rollout.engine == "vllm" and world % rollout_tp == 0:
         key = "rollout.tensor_parallel_size"
         out.append(("vLLM rollout tensor-parallel", key, consecutive_groups(world, rollout_tp)))
     return [(what, key, groups) for what, key, groups in out if groups and len(groups[0]) > 1]
 
 
-def find_split(cfg: Config, nodes: Sequence[str], train: bool = True) -> Split | None:
+def find_split(cfg: Config, nodes: Sequence[str], train: bool = True, rollout: bool = True) -> Split | None:
     """The first group (of :func:`node_local_groups`) whose ranks are on more than one node, or None.
     ``nodes[r]`` is the node of rank r."""
     if len(set(nodes)) <= 1:
         return None
-    for what, key, groups in node_local_groups(cfg, len(nodes), train):
+    for what, key, groups in node_local_groups(cfg, len(nodes), train, rollout):
         for ranks in groups:
             if len({nodes[r] for r in ranks}) > 1:
                 return Split(what, key, ranks)
@@ -127,10 +129,10 @@ def rank_bundles(bundle_nodes: Mapping[int, str], world: int) -> list[int]:
     return known + [b for b in range(world) if b not in bundle_nodes]
 
 
-def check_node_local(cfg: Config, nodes: Sequence[tuple[str, str]], train: bool = True) -> None:
+def check_node_local(cfg: Config, nodes: Sequence[tuple[str, str]], train: bool = True, rollout: bool = True) -> None:
     """Raise one :class:`UserError` line when a group of :func:`node_local_groups` spans nodes; ``nodes[r]`` is
     rank r's (node id, address), as :func:`~gspo_ascend.cluster.this_node` reports it."""
-    split = find_split(cfg, [node for node, _ in nodes], train)
+    split = find_split(cfg, [node for node, _ in nodes], train, rollout)
     if split is None:
         return
     where: dict[tuple[str, str], list[int]] = {}

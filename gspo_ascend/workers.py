@@ -261,7 +261,7 @@ class WorkerGroup:
         # where each rank runs, once; on stderr, because `gspo-ascend eval` prints its table on stdout
         print(placement_line(self.watch.nodes), file=sys.stderr, flush=True)
         try:  # where the actors really run: a node's share of ranks that a group size does not divide is one line
-            check_node_local(cfg, self.watch.nodes, train)
+            check_node_local(cfg, self.watch.nodes, train, rollout)  # a trainer pool holds no rollout TP group
         except UserError:
             self.watch.broken = True  # nothing set up yet: kill the actors and free the bundles, then say why
             self.shutdown()

@@ -115,6 +115,13 @@ def test_rollout_and_ulysses_groups_are_the_engines():
         ("Ulysses sequence-parallel", "actor.ulysses_sequence_parallel_size", [[0, 1], [2, 3]])
     ]
     assert node_local_groups(cfg, 4, train=False) == []  # `gspo-ascend eval`: no train engine, no SP groups
+    # a trainer pool (disaggregated rollout, pools.py) builds no rollout engine: its ranks form no rollout TP group
+    cfg = _cfg(**{"rollout.engine": "vllm", "rollout.tensor_parallel_size": 2, "trainer.devices_per_node": 2})
+    across = [NODES[A], NODES[B]]
+    assert find_split(cfg, [A, B]) == ("vLLM rollout tensor-parallel", "rollout.tensor_parallel_size", [0, 1])
+    check_node_local(cfg, across, rollout=False)  # no error: rank 0 and rank 1 share no group here
+    with pytest.raises(UserError, match="vLLM rollout tensor-parallel group of ranks"):
+        check_node_local(cfg, across)
 
 
 # --------------------------------------------------------------------------------------- ordering, checking

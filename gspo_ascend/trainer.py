@@ -284,7 +284,9 @@ def start(run: Run) -> None:
     from .pipeline import build_pipeline, load_pipeline
     from .pools import build_workers
     from .resume import load_failure
+    from .simulated import announce
 
+    announce()  # GSPO_SIMULATED_ENGINES (tests and benchmarks only): said once, before anything is timed
     run.workers = build_workers(run.cfg, run.backend, run.model_path)
     run.scheduler = build_scheduler(run.cfg, run.sampler, run.dataset)
     run.pipeline = build_pipeline(run.cfg)

@@ -28,7 +28,14 @@ from .engines import Request, SampleBatch, SamplingParams
 from .errors import UserError
 
 # what a worker process must see of the driver's environment (device selection, the shim, torch_npu guard)
-FORWARDED_ENV = ("GSPO_DEVICE", "GSPO_DEVICE_SHIM", "GSPO_SHIM_NPU_COUNT", "GSPO_HOME", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+FORWARDED_ENV = (
+    "GSPO_DEVICE",
+    "GSPO_DEVICE_SHIM",
+    "GSPO_SHIM_NPU_COUNT",
+    "GSPO_HOME",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
+    "GSPO_SIMULATED_ENGINES",  # simulated.py: tests and benchmarks only
+)
 
 
 def _free_port() -> int:
@@ -61,6 +68,7 @@ class PolicyWorker:
         import torch
         from transformers.utils import logging as hf_logging
 
+        from . import simulated
         from .device import get_backend
         from .engines import build_rollout_engine, build_train_engine
 
@@ -77,6 +85,8 @@ class PolicyWorker:
         # rollout=False: a trainer pool, no KV cache
         self.train_engine = build_train_engine(self.cfg, backend, self.model_path) if train else None
         self.rollout_engine = build_rollout_engine(self.cfg, backend, self.model_path) if rollout else None
+        # GSPO_SIMULATED_ENGINES (tests and benchmarks only): the engines' time modelled, slept through
+        self.train_engine, self.rollout_engine = simulated.wrap(self.train_engine, self.rollout_engine)
 
     # -- the sync group between pools (disaggregated rollout; weight_sync.py) -------------------------------
 

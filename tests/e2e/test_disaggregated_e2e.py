@@ -58,3 +58,39 @@ def test_one_step_off_and_a_resume_with_the_batch_in_flight(tmp_path):
     assert trajectory(resumed) == trajectory(whole)[-2:]  # steps 3 and 4, bitwise
     want, got = final_weights(tmp_path / "whole"), final_weights(tmp_path / "resumed")
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_the_staleness_bound_holds_under_random_simulated_latencies(tmp_path, seed):
+    """Simulated-latency engines (gspo_ascend/simulated.py, test-only) with random speeds: a rollout pool slower or
+    faster than the trainer. Whichever waits, every batch trains at staleness 0 (the first) or 1 (the bound), and
+    the trainer waits for the rollout pool only when generation is the slower side."""
+    import json
+    import os
+    import random
+
+    from gspo_ascend.simulated import ENV, SimSpec, env_value
+
+    rng = random.Random(seed)
+    slow_rollout = seed % 2 == 1
+    spec = SimSpec(
+        decode_base_s=rng.uniform(0.02, 0.03) if slow_rollout else rng.uniform(0.001, 0.002),
+        decode_per_seq_s=rng.uniform(0.0, 0.001),
+        length_median=rng.uniform(16, 32),
+        length_sigma=rng.uniform(0.2, 1.0),
+        train_tokens_per_s=rng.uniform(3000, 6000) if slow_rollout else rng.uniform(150, 250),
+    )
+    cmd = train_cmd(tmp_path / "run", *SMALL, *POOL, "rollout_pool.max_staleness=1", "trainer.total_steps=4",
+                    "data.max_response_length=64", "trainer.val_before_train=false")  # fmt: skip
+    env = {**os.environ, ENV: env_value(spec)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SIMULATED ENGINES (test / benchmark only" in proc.stderr
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["async/staleness"] for r in steps] == [0, 1, 1, 1]
+    waits = [r["time/wait_rollout_s"] for r in steps[1:3]]  # steps 2-3: a batch in flight while training
+    if slow_rollout:
+        assert min(waits) > 0.2, (spec, waits)  # the trainer waited for the slower rollout pool
+    else:
+        assert max(waits) < 0.2, (spec, waits)  # the rollout pool finished while the trainer trained

@@ -216,6 +216,7 @@ class Sampler:
     def state_dict(self):
         return {"epoch": 0, "position": 0}
 run = types.SimpleNamespace(output_dir=out, workers=Workers(), sampler=Sampler(), model_path=str(out), scheduler=None,
+                            pipeline=None,
                             cfg=load_config(overrides=[f"trainer.output_dir={out}"]))
 trainer.save_checkpoint(run, 1)
 size["n"] = 1 << 19

@@ -518,7 +518,7 @@ def plan_from_config(path: str | None, overrides=(), hardware: str = "auto") -> 
     from ..errors import UserError
     from .hardware import resolve_profile
     from .modelspec import load_spec
-    from .preflight import failures, preflight
+    from .preflight import failures, pools_check, preflight
 
     cfg = config_mod.load_config(path, overrides)
     if not cfg.model.path:
@@ -527,8 +527,12 @@ def plan_from_config(path: str | None, overrides=(), hardware: str = "auto") -> 
             "(docs/memory-planner.md lists them; the embedded tiny model is '')"
         )
     spec = load_spec(cfg.model.path)
-    bad = failures(preflight(cfg))
+    hw = resolve_profile(hardware, cfg)
+    # the target's devices per node are known here (a named profile), not in the config: the pools must fit them
+    pools = pools_check(cfg, hw.devices_per_node, hw.key) if hw.key != "cpu" else []
+    bad = failures(preflight(cfg) + pools)
     if bad:
         more = f" (and {len(bad) - 1} more; see `gspo-ascend doctor --config`)" if len(bad) > 1 else ""
-        raise UserError(f"{bad[0].name}: {bad[0].finding}{more}")
-    return plan(cfg, spec, resolve_profile(hardware, cfg))
+        fix = f"; fix: {bad[0].fix}" if bad[0].fix else ""
+        raise UserError(f"{bad[0].name}: {bad[0].finding}{fix}{more}")
+    return plan(cfg, spec, hw)

@@ -219,11 +219,17 @@ def rule_moe_sp(cfg, spec: ModelSpec | None) -> Iterable[Check]:
 
 
 def rule_rollout_tp(cfg, spec: ModelSpec | None) -> Iterable[Check]:
-    rt, per_node = cfg.rollout.tensor_parallel_size, cfg.trainer.devices_per_node
+    """A vLLM engine's TP group within one node of the devices that generate: the rollout pool's when there is one
+    (its TP dividing the pool's size is the config validator's rule), else the trainer's."""
+    from ..config import rollout_world
+
+    rt, pool = cfg.rollout.tensor_parallel_size, cfg.rollout_pool
+    key = "rollout_pool.devices_per_node" if pool.devices_per_node > 0 else "trainer.devices_per_node"
+    per_node = pool.devices_per_node if pool.devices_per_node > 0 else cfg.trainer.devices_per_node
     problem = (
-        f"rollout.tensor_parallel_size ({rt}) does not divide trainer.devices_per_node ({per_node}): a vLLM "
-        "engine must sit inside one node"
-        if per_node % rt
+        f"rollout.tensor_parallel_size ({rt}) does not divide {key} ({per_node}): a vLLM engine must sit inside one "
+        "node"
+        if rt > 0 and per_node % rt
         else None
     )
     if spec is not None and not problem and spec.heads % rt:
@@ -236,7 +242,7 @@ def rule_rollout_tp(cfg, spec: ModelSpec | None) -> Iterable[Check]:
     yield _check(
         "rollout-tp",
         problem,
-        f"rollout TP {rt}: {cfg.trainer.nnodes * per_node // rt} engine(s)",
+        f"rollout TP {rt}: {rollout_world(cfg) // max(rt, 1)} engine(s)",
         f"set rollout.tensor_parallel_size to a divisor of {per_node}"
         + (f" and of {spec.heads} heads" if spec is not None else ""),
     )
@@ -408,7 +414,39 @@ def devices_check(cfg, hardware) -> list[Check]:
             f"{want} of {have} devices per node used",
             f"set trainer.devices_per_node <= {have}",
         )
-    ]
+    ] + pools_check(cfg, have, f"this host's {hardware.kind.upper()}s")
+
+
+def pools_check(cfg, node_devices: int, where: str) -> list[Check]:
+    """A rollout pool's layout against a node's devices (this host's, or the target hardware's): the config alone
+    cannot say how many devices a node has. Equal ``nnodes`` mean the pools share every node (what the launch
+    scripts start: each node gives Ray both pools' devices), so their devices per node add up; otherwise each pool
+    must fit a node by itself. Without this the run stops minutes in, after the trainer pool has started, when Ray
+    cannot place the rollout pool's placement group (workers.py)."""
+    t, pool = cfg.trainer, cfg.rollout_pool
+    if pool.devices_per_node <= 0 or node_devices <= 0:
+        return []
+    pools = (("trainer.devices_per_node", t.devices_per_node), ("rollout_pool.devices_per_node", pool.devices_per_node))
+    if pool.nnodes == t.nnodes:
+        need = t.devices_per_node + pool.devices_per_node
+        problem = None
+        if need > node_devices:
+            problem = (
+                f"trainer.devices_per_node ({t.devices_per_node}) + rollout_pool.devices_per_node "
+                f"({pool.devices_per_node}) = {need} exceeds the {node_devices} devices of a node ({where}); with "
+                f"trainer.nnodes = rollout_pool.nnodes ({t.nnodes}) both pools share every node"
+            )
+        fix = f"lower trainer.devices_per_node or rollout_pool.devices_per_node to a sum <= {node_devices}"
+        ok = f"trainer {t.devices_per_node} + rollout {pool.devices_per_node} of {node_devices} devices per node"
+    else:
+        over = [key for key, n in pools if n > node_devices]
+        problem = None
+        if over:
+            have = " and ".join(f"{key} ({n})" for key, n in pools if key in over)
+            problem = f"{have} exceeds the {node_devices} devices of a node ({where})"
+        fix = f"set {' and '.join(over) or 'each pool'} to <= {node_devices}"
+        ok = f"trainer {t.devices_per_node}, rollout {pool.devices_per_node} devices per node (<= {node_devices} each)"
+    return [_check("pools", problem, ok, fix)]
 
 
 def preflight(cfg, hardware=None) -> list[Check]:

@@ -184,11 +184,15 @@ def _layers(backend, devices: int, quick: bool, work: Path) -> list[tuple[str, C
 
     def collectives(log):
         from . import mc2
+        from . import weight_sync as ws
         from .collectives import FIX, check_collectives
 
         return [
             run_check("collectives", lambda: check_collectives(backend, devices, work / "collectives"), FIX, log),
             run_check("collectives/mc2", lambda: mc2.check_mc2(backend, devices, work / "mc2"), mc2.FIX, log),
+            run_check(
+                "collectives/weight_sync", lambda: ws.check_weight_sync(backend, devices, work / "sync"), ws.FIX, log
+            ),
         ]
 
     def rollout(log):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="gspo_ascend.selftest.rank")
-    parser.add_argument("job", choices=("collectives", "mc2", "training"))
+    parser.add_argument("job", choices=("collectives", "mc2", "training", "weight_sync"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", required=True)
     args, rest = parser.parse_known_args()
@@ -40,6 +40,8 @@ def main() -> None:
             from .collectives import rank_main
         elif args.job == "mc2":
             from .mc2 import rank_main
+        elif args.job == "weight_sync":
+            from .weight_sync import rank_main
         else:
             from .training import rank_main
         rank_main(backend, args.out, rest)

@@ -31,7 +31,8 @@ NODE_PREP=()
 # uploads the repository as the job's working_dir, so a relative path would point into that temporary copy).
 declare -A OWNED_KEYS=([trainer.nnodes]=NNODES [trainer.devices_per_node]=DEVICES_PER_NODE
   [trainer.device]="the script's DEVICE" [trainer.output_dir]=OUTPUT_DIR [model.path]=MODEL_PATH
-  [data.train_files]="TRAIN_FILES or DATA_DIR" [data.val_files]=VAL_FILES)
+  [data.train_files]="TRAIN_FILES or DATA_DIR" [data.val_files]=VAL_FILES
+  [rollout_pool.devices_per_node]=ROLLOUT_DEVICES_PER_NODE [rollout_pool.nnodes]=NNODES)
 
 say() { printf '%s\n' "$*"; }
 section() { printf '\n== %s\n' "$*"; }
@@ -64,6 +65,7 @@ Environment (current value):
   DATA_DIR=${DATA_DIR:-}  holds train.parquet (gspo-ascend prepare-data); TRAIN_FILES / VAL_FILES: comma lists
   OUTPUT_DIR=${OUTPUT_DIR:-$REPO/runs/$RUN_NAME}  checkpoints and metrics (shared storage on multi-node)
   NNODES=${NNODES:-1} DEVICES_PER_NODE=${DEVICES_PER_NODE:-8} NODE_RANK=${NODE_RANK:-0}  rank 0 = head
+  ROLLOUT_DEVICES_PER_NODE=${ROLLOUT_DEVICES_PER_NODE:-0}  a rollout pool's devices on every node (0 = colocated)
   HEAD_ADDR=${HEAD_ADDR:-<this host>}  head address (required on workers) RAY_PORT=${RAY_PORT:-6379}
   DASHBOARD_PORT=${DASHBOARD_PORT:-8265} JOB_ADDRESS=${JOB_ADDRESS:-http://127.0.0.1:<DASHBOARD_PORT>}
   NIC=${NIC:-<default route>}  network interface for HCCL / NCCL / gloo (host profile)
@@ -124,8 +126,13 @@ check_int() {
 resolve_settings() {
   local name
   : "${NNODES:=1}" "${DEVICES_PER_NODE:=8}" "${NODE_RANK:=0}" "${RAY_PORT:=6379}" "${DASHBOARD_PORT:=8265}"
-  : "${WAIT_TIMEOUT:=900}"
-  for name in NNODES DEVICES_PER_NODE NODE_RANK RAY_PORT DASHBOARD_PORT WAIT_TIMEOUT; do check_int "$name"; done
+  : "${WAIT_TIMEOUT:=900}" "${ROLLOUT_DEVICES_PER_NODE:=0}"
+  for name in NNODES DEVICES_PER_NODE ROLLOUT_DEVICES_PER_NODE NODE_RANK RAY_PORT DASHBOARD_PORT WAIT_TIMEOUT; do
+    check_int "$name"
+  done
+  # Every node runs this same script, so a rollout pool shares every node with the trainer pool: each node gives Ray
+  # both pools' devices (the two placement groups then split them; docs/disaggregated.md)
+  NODE_DEVICES=$((DEVICES_PER_NODE + ROLLOUT_DEVICES_PER_NODE))
   ((NNODES >= 1 && NODE_RANK < NNODES)) || die "NODE_RANK=$NODE_RANK must be in 0..$((NNODES - 1)) (NNODES=$NNODES)"
   if [[ -z ${PYTHON:-} ]]; then
     PYTHON=python3
@@ -158,6 +165,8 @@ print({"npu": d.NPU, "cuda": d.CUDA, "cpu": d.CPU}[sys.argv[1]].ray_resource or 
 build_overrides() {
   OVERRIDES=("trainer.device=$DEVICE" "trainer.nnodes=$NNODES" "trainer.devices_per_node=$DEVICES_PER_NODE"
     "trainer.output_dir=$OUTPUT_DIR")
+  ((ROLLOUT_DEVICES_PER_NODE == 0)) ||
+    OVERRIDES+=("rollout_pool.nnodes=$NNODES" "rollout_pool.devices_per_node=$ROLLOUT_DEVICES_PER_NODE")
   [[ -z $MODEL_PATH ]] || OVERRIDES+=("model.path=$MODEL_PATH")
   [[ -z ${TRAIN_FILES:-} ]] || OVERRIDES+=("data.train_files=$(as_list "$TRAIN_FILES")")
   [[ -z ${VAL_FILES:-} ]] || OVERRIDES+=("data.val_files=$(as_list "$VAL_FILES")")
@@ -182,7 +191,7 @@ check_config() {
   local plan rc=0
   section "resolved config: ${CONFIG#"$REPO"/} + overrides"
   cli train --config "$CONFIG" "${OVERRIDES[@]}" --print-config || die "the config does not resolve (message above)"
-  section "preflight and memory plan on $HARDWARE ($NNODES x $DEVICES_PER_NODE)"
+  section "preflight and memory plan on $HARDWARE ($NNODES x $NODE_DEVICES)"
   if ((DRY_RUN && ${#MAKE_MODEL[@]})) && model_missing; then
     say "# plan skipped: $MODEL_PATH does not exist yet; a real run builds it first (command above)"
     return 0
@@ -251,7 +260,9 @@ launch() {
   resolve_settings
   build_overrides
   cd "$REPO" || die "cannot enter $REPO"
-  say "gspo-ascend launch: $RUN_NAME on $HARDWARE, $NNODES node(s) x $DEVICES_PER_NODE $RAY_RESOURCE"
+  local pools=""
+  ((ROLLOUT_DEVICES_PER_NODE == 0)) || pools=" ($DEVICES_PER_NODE trainer + $ROLLOUT_DEVICES_PER_NODE rollout)"
+  say "gspo-ascend launch: $RUN_NAME on $HARDWARE, $NNODES node(s) x $NODE_DEVICES $RAY_RESOURCE$pools"
   if [[ $ROLE == head ]]; then
     prepare_inputs
     check_config

@@ -9,9 +9,10 @@
 # that are not ours. A cluster that was already running is used as is and left running; the job we submitted is
 # stopped by its submission id if we are interrupted.
 #
-# Reads: DRY_RUN, NNODES, DEVICES_PER_NODE, HEAD_ADDR, RAY_PORT, DASHBOARD_PORT, WAIT_TIMEOUT, RAY_BIN,
-# RAY_RESOURCE, RAY_LOG, JOB_ADDRESS, RUNTIME_ENV, RUN_NAME and the optional RAY_TMPDIR (Ray's --temp-dir),
-# RAY_START_ARGS (extra `ray start` arguments), RAY_POLL_S (seconds between checks); uses say / show / die.
+# Reads: DRY_RUN, NNODES, NODE_DEVICES (a node's devices: both pools'), HEAD_ADDR, RAY_PORT, DASHBOARD_PORT,
+# WAIT_TIMEOUT, RAY_BIN, RAY_RESOURCE, RAY_LOG, JOB_ADDRESS, RUNTIME_ENV, RUN_NAME and the optional RAY_TMPDIR
+# (Ray's --temp-dir), RAY_START_ARGS (extra `ray start` arguments), RAY_POLL_S (seconds between checks); uses say /
+# show / die.
 
 RAY_STARTED_PID=""  # the `ray start --block` process this launcher started, if any
 RAY_MARKER=${RAY_TMPDIR:-/tmp/ray}/ray_current_cluster # Ray's "latest cluster" file; ray.init("auto") follows it
@@ -68,9 +69,9 @@ ray_start_bg() {
 # RAY_START_ARGS (last, so that a user's value of the same option wins).
 ray_node_args() {
   case $RAY_RESOURCE in
-    GPU) printf '%s\n' "--num-gpus=$DEVICES_PER_NODE" ;;
+    GPU) printf '%s\n' "--num-gpus=$NODE_DEVICES" ;;
     CPU) ;; # Ray counts the host's CPUs itself
-    *) printf '%s\n' "--resources={\"$RAY_RESOURCE\":$DEVICES_PER_NODE}" ;;
+    *) printf '%s\n' "--resources={\"$RAY_RESOURCE\":$NODE_DEVICES}" ;;
   esac
   [[ -z ${RAY_TMPDIR:-} || $1 != head ]] || printf '%s\n' "--temp-dir=$RAY_TMPDIR"
   local extra=()
@@ -93,7 +94,7 @@ ray_head_up() {
 }
 
 ray_wait_nodes() {
-  local gcs="$HEAD_ADDR:$RAY_PORT" want=$((NNODES * DEVICES_PER_NODE)) start=$SECONDS nodes=0 devices=0
+  local gcs="$HEAD_ADDR:$RAY_PORT" want=$((NNODES * NODE_DEVICES)) start=$SECONDS nodes=0 devices=0
   say "# wait until $NNODES node(s) with $want $RAY_RESOURCE in total have joined $gcs (timeout ${WAIT_TIMEOUT}s)"
   ((DRY_RUN)) && return 0
   while :; do

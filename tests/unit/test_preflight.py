@@ -210,6 +210,76 @@ def test_rule_devices_per_node_against_the_host():
     assert not [c for c in run(MOE_2X8, hardware=HardwareInfo("cpu")) if c.name == "preflight:devices"]
 
 
+# The disaggregated 30B layout (configs/qwen3_30b_a3b_gspo_disagg.yaml): trainer 2 x 6 (TP 4 x PP 3, EP 4) and a
+# rollout pool of 2 x 2 (vLLM TP 2) sharing both nodes.
+POOLS_2X8 = [
+    *MOE_2X8,
+    "trainer.devices_per_node=6",
+    "actor.pipeline_parallel_size=3",
+    "rollout.tensor_parallel_size=2",
+    "rollout_pool.nnodes=2",
+    "rollout_pool.devices_per_node=2",
+]
+
+
+def test_rule_rollout_tp_fits_a_node_of_the_rollout_pool():
+    """With a rollout pool the engines sit in its nodes: TP 4 does not divide its 2 devices per node (the config
+    validator passes it: 4 divides the pool's 4 devices), while the trainer's 6 no longer matter."""
+    assert fails(run(POOLS_2X8)) == []
+    assert finding(run(POOLS_2X8), "rollout-tp").finding == "rollout TP 2: 2 engine(s)"
+    bad = finding(run(POOLS_2X8, "rollout.tensor_parallel_size=4"), "rollout-tp")
+    assert bad.status == "fail" and "does not divide rollout_pool.devices_per_node (2)" in bad.finding
+    assert bad.fix.startswith("set rollout.tensor_parallel_size to a divisor of 2")
+
+
+def test_rule_world_applies_to_the_trainer_pool_only():
+    bad = finding(run(POOLS_2X8, "actor.pipeline_parallel_size=2"), "world")  # 12 trainer ranks, TP 4 x PP 2 = 8
+    assert bad.status == "fail" and "world 12 (trainer.nnodes x trainer.devices_per_node)" in bad.finding
+
+
+def test_rule_pools_fit_the_node():
+    """Pools on the same nodes (nnodes equal) add up per node; pools on nodes of their own must each fit one.
+    The node's size comes from the host (doctor) or the target's profile (plan), never from the config."""
+    from gspo_ascend.doctor.preflight import pools_check
+
+    cfg = config.load_config(None, POOLS_2X8, validate=False)
+    (ok,) = pools_check(cfg, 8, "atlas-800t-a2")
+    assert ok.status == "ok" and ok.finding == "trainer 6 + rollout 2 of 8 devices per node"
+    (bad,) = pools_check(config.load_config(None, [*POOLS_2X8, "rollout_pool.devices_per_node=4"]), 8, "h20")
+    assert bad.status == "fail" and bad.name == "preflight:pools"
+    assert bad.finding == (
+        "trainer.devices_per_node (6) + rollout_pool.devices_per_node (4) = 10 exceeds the 8 devices of a node "
+        "(h20); with trainer.nnodes = rollout_pool.nnodes (2) both pools share every node"
+    )
+    assert bad.fix == "lower trainer.devices_per_node or rollout_pool.devices_per_node to a sum <= 8"
+    apart = [*POOLS_2X8, "rollout_pool.nnodes=1", "rollout_pool.devices_per_node=16", "rollout.tensor_parallel_size=1"]
+    (bad,) = pools_check(config.load_config(None, apart, validate=False), 8, "h20")
+    assert bad.finding == "rollout_pool.devices_per_node (16) exceeds the 8 devices of a node (h20)"
+    assert bad.fix == "set rollout_pool.devices_per_node to <= 8"
+    assert pools_check(config.load_config(None, MOE_2X8, validate=False), 8, "h20") == []  # colocated: no pools
+    eight = parse_npu_smi((REPO / "tests/fixtures/doctor/npu-smi-info-8x910B3.txt").read_text())
+    host = finding(run(POOLS_2X8, "rollout_pool.devices_per_node=3", hardware=eight), "pools")
+    assert host.status == "fail" and "(this host's NPUs)" in host.finding
+
+
+def test_plan_refuses_pools_over_the_target_node_in_one_line():
+    """The launch scripts' check (`gspo-ascend plan --hardware`): exit 2, one `error:` line with the key and the fix."""
+    disagg = str(REPO / "configs/qwen3_30b_a3b_gspo_disagg.yaml")
+    cmd = [sys.executable, "-m", "gspo_ascend.cli", "plan", "--config", disagg, f"model.path={QWEN3_MOE}"]
+    proc = subprocess.run(
+        [*cmd, "rollout_pool.devices_per_node=4", "--hardware", "atlas-800t-a2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("error: preflight:pools: trainer.devices_per_node (6) + rollout_pool.devices_per_node")
+    assert lines[0].endswith("; fix: lower trainer.devices_per_node or rollout_pool.devices_per_node to a sum <= 8")
+
+
 def test_rule_model_path():
     bad = finding(run(MOE_2X8, "model.path=/nonexistent/model"), "model")
     assert bad.status == "fail" and "'/nonexistent/model' has no config.json" in bad.finding

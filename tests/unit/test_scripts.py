@@ -44,9 +44,13 @@ SCRIPTS = {
     "scripts/npu/qwen25_3b_gspo.sh": ("npu", "atlas-800t-a2", "env/npu/mc2_env.yaml", DENSE),
     "scripts/gpu/qwen25_3b_gspo.sh": ("cuda", "h20", "env/gpu/h20_env.yaml", DENSE),
     "scripts/cpu/tiny_gspo.sh": ("cpu", "cpu", "env/cpu/cpu_env.yaml", None),
+    "scripts/npu/qwen3_30b_gspo_disagg.sh": ("npu", "atlas-800t-a2", "env/npu/mc2_env.yaml", MOE),
+    "scripts/gpu/qwen3_30b_gspo_disagg.sh": ("cuda", "h20", "env/gpu/h20_env.yaml", MOE),
 }
+DISAGG = ("scripts/npu/qwen3_30b_gspo_disagg.sh", "scripts/gpu/qwen3_30b_gspo_disagg.sh")
 PAIRS = [
     ("scripts/npu/qwen3_30b_gspo.sh", "scripts/gpu/qwen3_30b_gspo.sh"),
+    DISAGG,
     ("scripts/npu/qwen25_3b_gspo.sh", "scripts/gpu/qwen25_3b_gspo.sh"),
 ]
 HARDWARE_NAMES = {"RUN_NAME", "DEVICE", "HARDWARE", "RUNTIME_ENV", "HOST_ENV"}
@@ -114,6 +118,7 @@ def test_dry_run_resolves_checks_and_starts_nothing(script, tiny_model, tmp_path
     result = plan(cfg, load_spec(cfg.model.path), profile(hardware, per_node))
     assert result.verdict == "fits", (result.train_verdict, result.rollout_verdict)
     world = {"scripts/npu/qwen3_30b_gspo.sh": 16, "scripts/gpu/qwen3_30b_gspo.sh": 16}.get(script, per_node)
+    world = {DISAGG[0]: 12, DISAGG[1]: 12}.get(script, world)  # the trainer pool; 4 more devices generate
     assert cfg.trainer.nnodes * per_node == world
 
 
@@ -123,6 +128,8 @@ BUILTIN = {
     "scripts/gpu/qwen3_30b_gspo.sh": "Qwen/Qwen3-30B-A3B",
     "scripts/npu/qwen25_3b_gspo.sh": "Qwen/Qwen2.5-3B",
     "scripts/gpu/qwen25_3b_gspo.sh": "Qwen/Qwen2.5-3B",
+    DISAGG[0]: "Qwen/Qwen3-30B-A3B",
+    DISAGG[1]: "Qwen/Qwen3-30B-A3B",
 }
 
 
@@ -183,6 +190,45 @@ def test_documented_node_variants(script, nnodes, overrides, verdict):
     assert ("warning: the plan is tight" in proc.stdout) == (verdict == "tight")
     assert printed_config(proc.stdout)["trainer"]["nnodes"] == int(nnodes)
     assert f"wait until {nnodes} node(s) with {int(nnodes) * 8} " in proc.stdout
+
+
+@pytest.mark.parametrize("script", DISAGG)
+def test_disaggregated_dry_run_gives_ray_both_pools_devices(script, tmp_path):
+    """The variant with a rollout pool: each node gives Ray its 6 trainer + 2 rollout devices, the head waits for
+    2 x 8, the job gets both pools' layout and one-step-off, and each pool passes the preflight and the plan."""
+    device, hardware, _, _ = SCRIPTS[script]
+    proc = launch(script, "--dry-run", MODEL_PATH=str(MOE), OUTPUT_DIR=str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"2 node(s) x 8 {'GPU' if device == 'cuda' else 'NPU'} (6 trainer + 2 rollout)" in proc.stdout
+    assert "wait until 2 node(s) with 16 " in proc.stdout
+    (start,) = [c for c in commands(proc.stdout) if " start --head " in c]
+    assert ("--num-gpus=8" if device == "cuda" else r"--resources=\{\"NPU\":8\}") in start
+    (submit,) = [c for c in commands(proc.stdout) if " job submit " in c]
+    assert "rollout_pool.nnodes=2 rollout_pool.devices_per_node=2" in submit
+    cfg = config.from_dict(printed_config(proc.stdout))
+    pool = cfg.rollout_pool
+    assert (pool.nnodes, pool.devices_per_node, pool.max_staleness) == (2, 2, 1)
+    assert config.rollout_world(cfg) % cfg.rollout.tensor_parallel_size == 0
+    assert (cfg.trainer.devices_per_node + pool.devices_per_node) == profile(hardware, 8).devices_per_node
+    # one node of the worker: it joins with the same 8 devices
+    worker = launch(script, "--dry-run", NODE_RANK="1", HEAD_ADDR="10.1.2.3")
+    assert worker.returncode == 0, worker.stderr
+    assert any(" start --address=10.1.2.3:6379 " in f" {c} " for c in commands(worker.stdout))
+
+
+@pytest.mark.parametrize(
+    "env, args, fragment",
+    [
+        ({"ROLLOUT_DEVICES_PER_NODE": "4"}, [], "preflight:pools: trainer.devices_per_node (6) + rollout_pool"),
+        ({}, ["rollout.tensor_parallel_size=4"], "preflight:rollout-tp: rollout.tensor_parallel_size (4) does not"),
+        ({}, ["rollout_pool.devices_per_node=3"], "sets rollout_pool.devices_per_node from ROLLOUT_DEVICES_PER_NODE"),
+    ],
+)
+def test_disaggregated_bad_pool_layout_stops_before_ray(env, args, fragment):
+    proc = launch(DISAGG[0], "--dry-run", *args, MODEL_PATH=str(MOE), **env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert fragment in proc.stderr and "Traceback" not in proc.stderr
+    assert "== commands" not in proc.stdout
 
 
 def test_layout_that_does_not_fit_the_node_count_stops_before_ray():
@@ -365,7 +411,7 @@ def free_ports(n: int) -> list[int]:
 HARNESS = """
 set -euo pipefail
 source scripts/lib/launch.sh
-DRY_RUN=0 NNODES=1 DEVICES_PER_NODE=1 HEAD_ADDR=127.0.0.1 RAY_PORT=$1 DASHBOARD_PORT=$2 WAIT_TIMEOUT=180
+DRY_RUN=0 NNODES=1 DEVICES_PER_NODE=1 NODE_DEVICES=1 HEAD_ADDR=127.0.0.1 RAY_PORT=$1 DASHBOARD_PORT=$2 WAIT_TIMEOUT=180
 RAY_BIN=$(dirname "$PYTHON")/ray RAY_RESOURCE=CPU RAY_LOG=$RAY_TMPDIR/launch.log JOB_ADDRESS=http://127.0.0.1:$2
 RUN_NAME=test
 trap on_exit EXIT

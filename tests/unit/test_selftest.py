@@ -500,3 +500,37 @@ def test_the_end_to_end_run_is_a_valid_config_on_any_device_count(devices, promp
     overrides = argv[argv.index("train") + 1 :]
     cfg = load_config(None, overrides)  # raises ConfigError on a batch the minibatches / ranks do not divide
     assert cfg.data.train_batch_size == prompts and cfg.trainer.devices_per_node == devices
+
+
+# ----------------------------------------------------------------------------------------------- weight sync
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu"])
+def test_weight_sync_check_is_bitwise_over_the_sync_group(device, npu, tmp_path):
+    """collectives/weight_sync: two rank processes, a stateless sync group on the comm backend (gloo here, and
+    under the NPU shim), the run's send / Receiver; every dtype of the set arrives bitwise, in several buckets."""
+    from gspo_ascend.selftest import weight_sync
+
+    backend = npu if device == "npu" else CPU
+    detail = weight_sync.check_weight_sync(backend, 2, tmp_path)
+    assert detail.startswith("12 tensors (bfloat16, bool, float16, float32, float64, int64, uint8) bitwise equal")
+    assert re.search(r"over gloo: 2\.2 MiB in 4 buckets of <= 1 MiB, [\d.]+ GB/s$", detail), detail
+    with pytest.raises(CheckSkipped, match="needs at least 2 devices \\(--devices 1\\): one sends, one receives"):
+        weight_sync.check_weight_sync(backend, 1, tmp_path)
+
+
+def test_weight_sync_comparison_sees_one_flipped_bit_a_signed_zero_and_the_version():
+    from gspo_ascend.selftest import weight_sync
+    from gspo_ascend.weight_sync import raw_bytes
+
+    sent = weight_sync.tensors()
+    assert weight_sync._compare(sent, [(n, t.clone()) for n, t in sent], weight_sync.VERSION, raw_bytes) == []
+    got = [(n, t.clone()) for n, t in sent]
+    raw_bytes(got[1][1])[0] ^= 1  # the lowest bit of one bf16 element
+    got[4][1][1] = 0.0  # -0.0 -> 0.0: equal as numbers, not as bits
+    errors = weight_sync._compare(sent, got, 3, raw_bytes)
+    assert errors == [
+        "the stream carried weights version 3, sent 7",
+        "model.layers.0.self_attn.q_proj.weight (torch.bfloat16): 1 of 131072 bytes differ",
+        "model.layers.0.special (torch.float32): 1 of 64 bytes differ",
+    ]

@@ -18,8 +18,8 @@ The groups are those the engines really build, with the same rank arithmetic:
   its ``generate_masked_orthogonal_rank_groups`` (tests/unit/test_placement.py holds it to megatron-core's own);
 * fsdp (``actor.engine=fsdp``): the Ulysses sequence-parallel groups, the rows of the ``(dp, sp)`` device mesh
   (``engines/fsdp.py`` ``_sp_group``), that is ``sp`` consecutive ranks;
-* vLLM rollout (``rollout.engine=vllm``): ``engines/vllm_rollout.py`` :func:`rollout_tp_groups`, ``tp`` consecutive
-  ranks.
+* vLLM rollout (``rollout.engine=vllm``): ``engines/rollout_shards.py`` :func:`rollout_tp_groups`, ``tp``
+  consecutive ranks.
 
 How we differ from verl: verl also relies on PACK's bundle order for its TP groups and does not check it.
 """
@@ -69,7 +69,7 @@ def megatron_groups(sizes: Mapping[str, int], token: str, order: str = ORDER) ->
 
 def consecutive_groups(world: int, size: int) -> list[list[int]]:
     """Blocks of ``size`` consecutive ranks: the fsdp engine's Ulysses groups (the rows of its (world/SP, SP) device
-    mesh) and vLLM's rollout TP groups (engines/vllm_rollout.py ``rollout_tp_groups``: TP innermost)."""
+    mesh) and vLLM's rollout TP groups (engines/rollout_shards.py ``rollout_tp_groups``: TP innermost)."""
     return [list(range(g, g + size)) for g in range(0, world, size)]
 
 

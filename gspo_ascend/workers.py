@@ -185,8 +185,8 @@ class PolicyWorker:
 def actor_env(cfg: Config, backend) -> dict[str, str]:
     """Environment each actor process must start with: variables torch_npu reads once, at its start, which
     happens in :meth:`PolicyWorker.setup` (``get_backend``) before any engine is built
-    (:func:`~gspo_ascend.engines.vllm_rollout.process_start_env`). A value exported on the driver wins."""
-    from .engines.vllm_rollout import process_start_env
+    (:func:`~gspo_ascend.engines.vllm_env.process_start_env`). A value exported on the driver wins."""
+    from .engines.vllm_env import process_start_env
 
     return {key: os.environ.get(key, value) for key, value in process_start_env(cfg, backend).items()}
 
@@ -301,7 +301,7 @@ class WorkerGroup:
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> Pending:
         """:meth:`generate`, started and not waited for (one-step-off: the next batch generates while the trainer
         pool trains on this one)."""
-        from .engines.vllm_rollout import gather_rollout_shards, split_rollout_prompts
+        from .engines.rollout_shards import gather_rollout_shards, split_rollout_prompts
 
         tp = self._rollout_tp()
         parts = split_rollout_prompts(prompts, params, self.world_size, tp)
@@ -312,7 +312,7 @@ class WorkerGroup:
         """Requests with their own budgets and seeds (partial_rollout.py), cut into one contiguous run per rollout
         group with about equal samples each; every rank of a group gets its group's run. Samples keep request
         order and ``group_index`` is the request's position in ``requests``."""
-        from .engines.vllm_rollout import rollout_tp_groups
+        from .engines.rollout_shards import rollout_tp_groups
 
         tp = self._rollout_tp()
         groups = rollout_tp_groups(self.world_size, tp)
@@ -334,7 +334,7 @@ class WorkerGroup:
         samples do not depend on which group ran it, so the result is that of one engine running the requests one
         after another (what `gspo-ascend eval` does on one device)."""
 
-        from .engines.vllm_rollout import rollout_tp_groups
+        from .engines.rollout_shards import rollout_tp_groups
 
         tp = self._rollout_tp()
         groups = rollout_tp_groups(self.world_size, tp)

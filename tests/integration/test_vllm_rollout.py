@@ -383,16 +383,16 @@ def test_platform_env_defaults_per_backend():
 
 
 def test_user_environment_wins_but_our_own_defaults_are_refreshed(monkeypatch):
-    from gspo_ascend.engines import vllm_rollout
+    from gspo_ascend.engines import vllm_env
 
-    monkeypatch.setattr(vllm_rollout, "_ENV_SET_BY_US", {})
+    monkeypatch.setattr(vllm_env, "_ENV_SET_BY_US", {})
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "1")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    applied = vllm_rollout.apply_env_defaults({"VLLM_ASCEND_ENABLE_NZ": "0", "VLLM_CPU_KVCACHE_SPACE": "2"})
+    applied = vllm_env.apply_env_defaults({"VLLM_ASCEND_ENABLE_NZ": "0", "VLLM_CPU_KVCACHE_SPACE": "2"})
     assert applied == {"VLLM_CPU_KVCACHE_SPACE": "2"}
-    assert vllm_rollout.os.environ["VLLM_ASCEND_ENABLE_NZ"] == "1"  # exported by the user: kept
-    assert vllm_rollout.apply_env_defaults({"VLLM_CPU_KVCACHE_SPACE": "8"}) == {"VLLM_CPU_KVCACHE_SPACE": "8"}
-    assert vllm_rollout.os.environ["VLLM_CPU_KVCACHE_SPACE"] == "8"  # a second engine's size replaces ours
+    assert vllm_env.os.environ["VLLM_ASCEND_ENABLE_NZ"] == "1"  # exported by the user: kept
+    assert vllm_env.apply_env_defaults({"VLLM_CPU_KVCACHE_SPACE": "8"}) == {"VLLM_CPU_KVCACHE_SPACE": "8"}
+    assert vllm_env.os.environ["VLLM_CPU_KVCACHE_SPACE"] == "8"  # a second engine's size replaces ours
 
 
 def test_config_errors_name_the_key_before_vllm_starts(monkeypatch):

@@ -36,7 +36,7 @@ def test_split_then_unsplit_is_the_identity(cp, length):
 
 def _micro(prompts, responses, pad_id=0):
     from gspo_ascend.engines.base import SampleBatch
-    from gspo_ascend.engines.megatron import _build_micro
+    from gspo_ascend.engines.megatron_train import _build_micro
 
     width = max(len(r) for r in responses)
     ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in responses])

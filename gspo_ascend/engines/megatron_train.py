@@ -1,0 +1,291 @@
+"""The ``megatron`` engine's forward, backward and update (:class:`MegatronTrainStep`, mixed into
+:class:`.megatron.MegatronEngine`): the model-parallel group's shards gathered, right-padded micro-batches
+(:class:`_Micro`) equalised over ranks with dummy passes, megatron's pipeline schedule, vocab-parallel log-probs
+(:func:`vocab_parallel_log_probs`), the policy loss over global token / sequence counts, and the optimizer step
+with the non-finite skip rule and fsdp's warm-up. How and why: the module docstring of :mod:`.megatron`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_ascend.algorithms import count_tokens_and_seqs
+from gspo_ascend.engines import megatron_cp as cp_support
+from gspo_ascend.engines.base import SampleBatch
+from gspo_ascend.engines.logprobs import response_lengths
+from gspo_ascend.engines.megatron_compat import uses_decoupled_grads
+from gspo_ascend.engines.microbatch import micro_batches
+from gspo_ascend.engines.train_common import (
+    MinibatchRecord,
+    check_update_batch,
+    on_device,
+    policy_objective,
+    update_metrics,
+    warmup_factor,
+)
+
+# ----------------------------------------------------------------------------------------------- micro-batches
+
+
+@dataclass
+class _Micro:
+    """One forward pass: a right-padded [b, S] token block and where each response token's log-prob comes from
+    (row, position predicting it) and goes to (row, column of the [b, R] output)."""
+
+    tokens: torch.Tensor  # [b, S] int64
+    position_ids: torch.Tensor  # [b, S]
+    rows: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    cols: torch.Tensor  # [N]
+    labels: torch.Tensor  # [N]
+    shape: tuple[int, int]  # (b, R)
+    sample: SampleBatch | None = None  # None for a dummy pass
+    index: list[int] | None = None  # rows of the (mini)batch this micro-batch holds
+    ref_log_probs: torch.Tensor | None = None  # [b, R], with algorithm.kl_coef > 0
+
+
+def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, device, index: list[int] | None) -> _Micro:
+    lengths = response_lengths(batch)
+    seqs = [list(p) + row[:n] for p, row, n in zip(batch.prompt_ids, batch.response_ids.tolist(), lengths, strict=True)]
+    width = max(len(s) for s in seqs)
+    width = -(-width // multiple) * multiple  # sequence parallelism splits S over TP ranks
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    rows, positions, cols, labels = [], [], [], []
+    for i, (seq, prompt, n) in enumerate(zip(seqs, batch.prompt_ids, lengths, strict=True)):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        rows += [i] * n
+        positions += range(len(prompt) - 1, len(prompt) - 1 + n)  # logits at len(prompt)-1+t predict token t
+        cols += range(n)
+        labels += seq[len(prompt) :]
+
+    def t(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    b, r = batch.response_ids.shape
+    return _Micro(
+        tokens=tokens.to(device),
+        position_ids=torch.arange(width, device=device).expand(len(seqs), width),
+        rows=t(rows),
+        positions=t(positions),
+        cols=t(cols),
+        labels=t(labels),
+        shape=(b, r),
+        sample=batch if index is not None else None,
+        index=index,
+    )
+
+
+def _dummy_batch(pad_id: int) -> SampleBatch:
+    zeros = torch.zeros((1, 1))
+    return SampleBatch([[pad_id]], zeros.long(), zeros)
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, micro: _Micro, temperature: float) -> torch.Tensor:
+    """[b, R] float32 ``log_softmax(logits / T)[y]`` from TP-sharded logits [b, S, V/TP] (0 at padding), without
+    gathering the vocabulary: megatron's vocab-parallel cross entropy all-reduces max / target / sum-exp."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if micro.rows.numel() == 0:  # keep the graph connected: every rank must take part in the backward
+        return logits.new_zeros(micro.shape, dtype=torch.float32) + 0.0 * logits.sum()
+    picked = logits[micro.rows, micro.positions].float()  # [N, V/TP]
+    if temperature != 1.0:
+        picked = picked / temperature
+    lp = -vocab_parallel_cross_entropy(picked, micro.labels)  # [N]
+    return lp.new_zeros(micro.shape).index_put((micro.rows, micro.cols), lp)
+
+
+# ----------------------------------------------------------------------------------------------- the engine's part
+
+
+class MegatronTrainStep:
+    """The TrainEngine calls that run the model (``compute_log_probs``, ``update``, ``backward_minibatch``) and
+    their helpers, on the state :class:`.megatron.MegatronEngine` sets up (models, optimizer, process groups)."""
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def _all_reduce(self, values, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+        t = torch.as_tensor(values, dtype=torch.float64, device=self.device)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=op, group=group)
+        return t.cpu()
+
+    def _group_shards(self, batch: SampleBatch) -> list[SampleBatch]:
+        """The shards of every rank of this model-parallel group, in group order (see the module docstring)."""
+        if self.mp_size == 1:
+            return [batch]
+        shards: list[Any] = [None] * self.mp_size
+        dist.all_gather_object(shards, batch, group=self.mp_group)
+        return shards
+
+    def _micros(self, batch: SampleBatch, ref: torch.Tensor | None = None) -> list[_Micro]:
+        """Micro-batches of ``batch`` padded with dummy passes to the most any rank runs."""
+        a = self.cfg.actor
+        parts, plan = micro_batches(batch, a.micro_batch_size, a.max_tokens_per_micro_batch)
+        passes = int(self._all_reduce([len(parts)], dist.ReduceOp.MAX)[0])
+        micros = []
+        for part, index in zip(parts, plan.groups, strict=True):
+            micro = _build_micro(part, self.pad_id, self.seq_multiple, self.device, index)
+            micro.ref_log_probs = None if ref is None else ref[index].to(self.device)
+            micros.append(micro)
+        dummy = _dummy_batch(self.pad_id)  # every pass is a collective (TP, PP, EP): ranks run the same count
+        micros += [_build_micro(dummy, self.pad_id, 1, self.device, None) for _ in range(passes - len(parts))]
+        if self.cp > 1:  # this rank's zigzag part of every micro-batch (megatron_cp.py)
+            micros = [cp_support.shard_micro(m, self.cp, self.cp_rank, self.seq_multiple, self.pad_id) for m in micros]
+        self._oversized = plan.oversized
+        return micros
+
+    def _schedule(self, models, micros: list[_Micro], forward_only: bool, loss_fn) -> None:
+        """One pass of megatron's forward(-backward) schedule (1F1B with PP > 1) over ``micros``."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        one = torch.ones((), dtype=torch.int, device=self.device)
+
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            output = model(micro.tokens, micro.position_ids, None)  # last stage: logits [b, S, V/TP]
+
+            def loss(output_tensor):
+                value, reported = loss_fn(micro, output_tensor)
+                return value, one, reported
+
+            return output, loss
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micros),
+            model=models,
+            num_microbatches=len(micros),
+            seq_length=max(m.tokens.shape[1] for m in micros),
+            micro_batch_size=max(m.tokens.shape[0] for m in micros),
+            forward_only=forward_only,
+        )
+
+    def _forward_only(self, models, batch: SampleBatch, temperature: float) -> torch.Tensor:
+        """[B, R] float32 host log-probs of the whole (group) batch, on every rank of the pipeline."""
+        out = torch.zeros(tuple(batch.response_ids.shape), dtype=torch.float32)
+
+        def loss_fn(micro: _Micro, logits: torch.Tensor):
+            lp = cp_support.sum_over_cp(vocab_parallel_log_probs(logits, micro, temperature), self.cp_group)
+            if micro.index is not None:
+                out[micro.index] = lp.float().cpu()
+            return lp.sum() * 0.0, {}
+
+        for model in models:
+            model.eval()
+        with torch.no_grad():
+            self._schedule(models, self._micros(batch), True, loss_fn)
+        if self.pp > 1:  # only the last stage computed them
+            moved = out.to(self.device)
+            dist.broadcast(moved, src=dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
+            out = moved.cpu()
+        return out
+
+    # ------------------------------------------------------------------------------------------- contract
+
+    @on_device
+    def compute_log_probs(self, batch: SampleBatch, temperature: float) -> torch.Tensor:
+        """[B, R] float32 on the host, no grad, for this rank's rows."""
+        shards = self._group_shards(batch)
+        full = self._forward_only(self.models, SampleBatch.concat(shards), temperature)
+        start = sum(len(s) for s in shards[: self.mp_rank])
+        return full[start : start + len(batch)]
+
+    @on_device
+    def update(self, batch: SampleBatch, temperature: float) -> dict[str, float]:
+        k = self.cfg.algorithm.minibatches_per_rollout
+        check_update_batch(batch, k)
+        shards = [s.split(k) for s in self._group_shards(batch)]
+        records = []
+        for j in range(k):
+            record = self.backward_minibatch(SampleBatch.concat([s[j] for s in shards]), temperature)
+            self._step(record)
+            records.append(record)
+        return self._metrics(records)
+
+    @on_device
+    def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> MinibatchRecord:
+        """Forward/backward every micro-batch of one (model-parallel group) minibatch; the reduced gradients are
+        left in megatron's buffers. Public for tests that want a gradient without an optimizer step."""
+        tokens, seqs = count_tokens_and_seqs(minibatch.response_mask)
+        global_tokens, global_seqs = self._all_reduce([int(tokens), int(seqs)], group=self.dp_group).tolist()
+        counts = {
+            "global_tokens": global_tokens,
+            "global_seqs": global_seqs,
+            "norm_length": minibatch.response_ids.shape[1],
+        }
+        ref = None
+        if self.ref_models is not None:
+            ref = self._forward_only(self.ref_models, minibatch, temperature)
+        micros = self._micros(minibatch, ref)
+        record = MinibatchRecord(passes=len(micros))
+        if self.reports:
+            record.sums["oversized_samples"] = float(self._oversized)
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+
+        def loss_fn(micro: _Micro, logits: torch.Tensor):
+            nonlocal bad
+            lp = cp_support.sum_over_cp(vocab_parallel_log_probs(logits, micro, temperature), self.cp_group)
+            if micro.sample is None:
+                return lp.sum() * 0.0, {}
+            loss, metrics = self._micro_loss(lp, micro, counts)
+            bad = bad | ~torch.isfinite(loss.detach())
+            if self.reports:
+                record.add(metrics)
+            return loss, {}
+
+        for model in self.models:
+            model.train()
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._schedule(self.models, micros, False, loss_fn)
+        record.skipped = bool(bad)
+        return record
+
+    def _micro_loss(self, log_prob: torch.Tensor, micro: _Micro, counts: dict[str, Any]):
+        d, alg, sample = self.device, self.cfg.algorithm, micro.sample
+        mask = sample.response_mask.to(d)
+        return policy_objective(
+            self.policy_loss,
+            alg,
+            log_prob,
+            sample.old_log_probs.to(d),
+            sample.advantages.to(d),
+            mask,
+            counts,
+            micro.ref_log_probs,
+        )
+
+    def _step(self, record: MinibatchRecord) -> None:
+        """Clip + optimizer step, or, on a non-finite loss (any rank) or grad norm, skip it and the warm-up step.
+        megatron's own ``optimizer.step()`` would step on a NaN norm without a loss scaler, so we take it apart
+        into its public pieces: prepare_grads, get_grad_norm, clip, step_with_ready_grads."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        bad = self._all_reduce([float(record.skipped)], dist.ReduceOp.MAX)[0] > 0
+        found_inf = self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm() or 0.0)  # global over all model-parallel and DP shards
+        if bad or found_inf or not math.isfinite(norm):
+            self.optimizer.zero_grad()
+            record.skipped = True
+            self.nan_steps_total += 1
+            return
+        if self.cfg.actor.grad_clip > 0:
+            for sub in self._sub_optimizers():
+                params = sub.get_parameters()
+                if params:
+                    decoupled = uses_decoupled_grads(sub.config)
+                    clip_grad_by_total_norm_fp32(params, self.cfg.actor.grad_clip, norm, decoupled)
+        lr = self.cfg.actor.lr * warmup_factor(self.cfg.actor.warmup_steps)(self.optimizer_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+        self.optimizer.step_with_ready_grads()
+        self.optimizer_steps += 1
+        record.grad_norm, record.lr = norm, lr
+
+    def _metrics(self, records: list[MinibatchRecord]) -> dict[str, float]:
+        lr = self.cfg.actor.lr * warmup_factor(self.cfg.actor.warmup_steps)(self.optimizer_steps)
+        return update_metrics(records, self.device, lr)

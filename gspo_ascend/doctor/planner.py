@@ -270,14 +270,21 @@ def vllm_ascend_non_torch(cfg, hw: Profile) -> tuple[int, int]:
     return hw.reserved_mib * 2**20, communicators * 2 * HCCL_BUFFSIZE_MB * 2**20
 
 
+def disaggregated(cfg) -> bool:
+    """A rollout pool (pools.py): its devices hold no actor state, the trainer's no KV cache."""
+    return cfg.rollout_pool.devices_per_node > 0
+
+
 def rollout_phase(cfg, spec: ModelSpec, hw: Profile, train: Phase) -> tuple[Phase, int]:
     budget = int(cfg.rollout.gpu_memory_utilization * hw.hbm_mib * 2**20)
     weights, workspace = rollout_weights(cfg, spec), rollout_workspace(cfg, spec)
-    residue = 0 if cfg.actor.offload else static_bytes(train)
+    residue = 0 if cfg.actor.offload or disaggregated(cfg) else static_bytes(train)
     runtime, comms = vllm_ascend_non_torch(cfg, hw)
     kv_cache = budget - weights - workspace - runtime - comms
     parts = {"actor state": residue, "weights": weights, "workspace": workspace, "kv cache": kv_cache}
     kept = "offloaded to host (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer stay"
+    if disaggregated(cfg):
+        kept = "none: a rollout pool's devices hold no actor (rollout_pool.devices_per_node)"
     notes = {
         "actor state": kept,
         "kv cache": f"gpu_memory_utilization {cfg.rollout.gpu_memory_utilization} x HBM - weights - workspace",
@@ -286,7 +293,8 @@ def rollout_phase(cfg, spec: ModelSpec, hw: Profile, train: Phase) -> tuple[Phas
         parts = {**parts, "hccl buffers": comms}
         notes["kv cache"] += f" - runtime {runtime / GIB:.1f} GiB - HCCL buffers (vllm-ascend counts non-torch memory)"
         notes["hccl buffers"] = f"{comms // (2 * HCCL_BUFFSIZE_MB * 2**20)} communicator(s) x 2 x {HCCL_BUFFSIZE_MB} MB"
-    phase = Phase("rollout", f"every device, vLLM TP {cfg.rollout.tensor_parallel_size}", parts, notes)
+    where = "every rollout-pool device" if disaggregated(cfg) else "every device"
+    phase = Phase("rollout", f"{where}, vLLM TP {cfg.rollout.tensor_parallel_size}", parts, notes)
     return phase, max(kv_cache, 0) // kv_bytes_per_token(cfg, spec)
 
 
@@ -304,8 +312,11 @@ def export_bytes(cfg, spec: ModelSpec) -> int:
 def sync_phase(cfg, spec: ModelSpec, train: Phase) -> Phase:
     """The weight sync (workers.PolicyWorker.sync_weights): the rollout engine's weights woken, its KV cache still
     asleep; the train engine's parameters brought up for the export (with actor.offload; without it, its whole
-    state stays), and the export's transient."""
+    state stays), and the export's transient. With a rollout pool the two sides are different devices: the larger
+    of the trainer's (its state, the export, one bucket) and the rollout's (its weights, one bucket)."""
     kept = train.parts["weights"] if cfg.actor.offload else static_bytes(train)
+    if disaggregated(cfg):
+        return _pool_sync_phase(cfg, spec, kept)
     parts = {"actor state": kept, "export": export_bytes(cfg, spec), "rollout": rollout_weights(cfg, spec)}
     notes = {
         "actor state": "parameters only (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer",
@@ -315,6 +326,24 @@ def sync_phase(cfg, spec: ModelSpec, train: Phase) -> Phase:
         "rollout": "the rollout engine's weights, woken; its KV cache stays asleep until the sync is done",
     }
     return Phase("sync", "every device", parts, notes)
+
+
+def _pool_sync_phase(cfg, spec: ModelSpec, kept: int) -> Phase:
+    bucket = cfg.rollout_pool.sync_bucket_mb << 20  # weight_sync.py: one flat bucket at a time, on the device
+    state = "parameters only (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer"
+    trainer = Phase(
+        "sync",
+        "trainer rank 0 (disaggregated)",
+        {"actor state": kept, "export": export_bytes(cfg, spec), "bucket": bucket},
+        {"actor state": state, "export": "the export's transient", "bucket": "rollout_pool.sync_bucket_mb"},
+    )
+    rollout = Phase(
+        "sync",
+        "every rollout-pool device (disaggregated)",
+        {"rollout": rollout_weights(cfg, spec), "bucket": bucket},
+        {"rollout": "the rollout engine's weights; its KV cache asleep", "bucket": "the bucket being received"},
+    )
+    return max(trainer, rollout, key=lambda ph: ph.total)
 
 
 # ----------------------------------------------------------------------------------------------- verdicts
@@ -327,8 +356,9 @@ def _verdict(pressure: float) -> str:
 def _pressures(cfg, train: Phase, rollout: Phase, sync: Phase, kv_tokens: int, usable: int) -> tuple[float, ...]:
     """Training, rollout, KV and sync pressures, each 1.0 at the edge of 'fits'; the KV term needs room for
     min(sequences per engine, 32) sequences."""
-    lay = layout(cfg)
-    engines = max(lay.world // cfg.rollout.tensor_parallel_size, 1)
+    from ..config import rollout_world
+
+    engines = max(rollout_world(cfg) // cfg.rollout.tensor_parallel_size, 1)
     wanted = min(cfg.data.train_batch_size * cfg.rollout.n / engines, MIN_CONCURRENT_SEQUENCES)
     kv_need = wanted * seq_len(cfg) / max(kv_tokens, 1)
     if kv_tokens < seq_len(cfg):  # vLLM refuses to start: max_model_len does not fit the KV cache
@@ -350,6 +380,9 @@ def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
         f"EP {lay.ep} x ETP {lay.etp} (expert DP {lay.edp}); rollout TP {cfg.rollout.tensor_parallel_size}; "
         f"engine {cfg.actor.engine}"
     )
+    if disaggregated(cfg):
+        pool = cfg.rollout_pool
+        desc += f"; rollout pool {pool.nnodes} x {pool.devices_per_node} (its own devices)"
     return Plan(
         model=f"{spec.model_type} ({spec.total_params / 1e9:.2f}B params, {kind}) from {spec.source}",
         hardware=f"{hw.title}: {hw.hbm_mib} MiB per device, {usable / GIB:.1f} GiB usable",

@@ -156,6 +156,21 @@ def test_qwen3_30b_a3b_without_offload_does_not_fit_rollout():
     assert "actor.offload=true  (was false;" in render_text(p)
 
 
+def test_a_rollout_pool_holds_no_actor_state_and_the_sync_is_sized_per_side():
+    """The layout above without offload, rollout on a pool of its own (1 x 8, two TP-4 engines): the rollout
+    devices hold no actor state, so the OOM of the colocated plan is gone; the sync is the larger of its sides."""
+    colocated = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false")
+    p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false", "rollout_pool.devices_per_node=8")
+    assert p.rollout.parts["actor state"] == 0
+    # the colocated rollout total less its 45,855,768,576 B of actor state: 75,920,539,648 - 45,855,768,576
+    assert p.rollout.total == colocated.rollout.total - 45_855_768_576 == 30_064_771_072
+    assert p.train.total == colocated.train.total and p.kv_tokens == colocated.kv_tokens
+    # trainer rank 0: weights + grads + optimizer 45,855,768,576 + export 2,415,919,104 + one 256 MiB bucket
+    # (268,435,456) = 48,540,123,136; the rollout side: vLLM weights 15,285,252,096 + the bucket = 15,553,687,552
+    assert p.sync.where == "trainer rank 0 (disaggregated)" and p.sync.total == 48_540_123_136
+    assert p.rollout_verdict == "fits" and "rollout pool 1 x 8" in p.layout
+
+
 # ----------------------------------------------------------------------------------------------- Qwen2.5-3B
 
 DENSE = [

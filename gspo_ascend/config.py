@@ -712,9 +712,10 @@ def _rollout_pool(cfg: Config) -> Iterable[str]:
         yield f"config key 'rollout_pool.sync_bucket_mb' must be >= 1, got {pool.sync_bucket_mb}"
     for key, on in (("partial_rollout.round_tokens", cfg.partial_rollout.round_tokens is not None),
                     ("dynamic_sampling.enabled", cfg.dynamic_sampling.enabled)):  # fmt: skip
-        if on:
+        if on and pool.max_staleness > 0:  # rounds on the rollout pool, in step with the trainer: max_staleness=0
             yield (
-                f"config key '{key}' with 'rollout_pool.devices_per_node' is not built yet (issue #28): use one of them"
+                f"config key '{key}' with 'rollout_pool.max_staleness={pool.max_staleness}' is not built yet (issue "
+                "#28): set rollout_pool.max_staleness=0 (the rounds run on the rollout pool between the updates)"
             )
 
 

@@ -76,8 +76,11 @@ class Pipeline:
 
 
 def build_pipeline(cfg: Any) -> Pipeline | None:
+    """A rollout pool's pipeline; None when colocated, or when partial rollout / dynamic sampling drive the rollout
+    pool in rounds between the updates (max_staleness=0: partial_rollout.py's scheduler, the colocated order)."""
     pool = cfg.rollout_pool
-    return Pipeline(pool.max_staleness) if pool.devices_per_node > 0 else None
+    rounds = cfg.partial_rollout.round_tokens is not None or cfg.dynamic_sampling.enabled
+    return Pipeline(pool.max_staleness) if pool.devices_per_node > 0 and not rounds else None
 
 
 def save_pipeline(pipeline: Pipeline | None, directory: Path) -> None:

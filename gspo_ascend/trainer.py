@@ -297,8 +297,8 @@ def start(run: Run) -> None:
         except Exception as exc:
             raise load_failure(run.resume_from, exc) from None
         load_pipeline(run.pipeline, run.resume_from)
-        if run.pipeline is not None:
-            run.workers.version = int(state["step"])  # the loaded weights' version
+        if hasattr(run.workers, "rollout_version"):  # two pools: the loaded weights' version
+            run.workers.version = int(state["step"])
         # the rollout engine still holds the initial weights. With a batch in flight (loaded above), the step that
         # trains it sends them, as the uninterrupted run did at that step
         if run.pipeline is None or run.pipeline.pending is None:

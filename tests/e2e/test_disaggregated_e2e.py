@@ -94,3 +94,18 @@ def test_the_staleness_bound_holds_under_random_simulated_latencies(tmp_path, se
         assert min(waits) > 0.2, (spec, waits)  # the trainer waited for the slower rollout pool
     else:
         assert max(waits) < 0.2, (spec, waits)  # the rollout pool finished while the trainer trained
+
+
+def test_partial_rollout_on_a_rollout_pool_is_the_colocated_partial_run(tmp_path):
+    """max_staleness=0: the partial-rollout rounds run on the rollout pool between the updates, in the colocated
+    order, so the run is the colocated partial-rollout run, bitwise (samples continued across steps included)."""
+    common = ("trainer.total_steps=3", "partial_rollout.round_tokens=4", "partial_rollout.max_rounds=4")
+    colocated, _ = _train(tmp_path / "colocated", *common)
+    pooled, _ = _train(tmp_path / "pools", *common, *POOL, "rollout_pool.max_staleness=0")
+    plain, split = trajectory(colocated), trajectory(pooled)
+    assert [r["step"] for r in split] == [r["step"] for r in plain]
+    for a, b in zip(plain, split, strict=True):
+        assert {k: b[k] for k in a} == a
+    assert any(r.get("partial/continued_samples", 0) > 0 for r in split)
+    want, got = final_weights(tmp_path / "colocated"), final_weights(tmp_path / "pools")
+    assert all(torch.equal(want[k], got[k]) for k in want)

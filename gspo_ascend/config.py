@@ -68,6 +68,9 @@ class RolloutConfig:
     cudagraph_mode: str | None = None  # FULL_DECODE_ONLY | PIECEWISE on NPU (verl's NPU GSPO guide: FULL_DECODE_ONLY)
     cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes captured, each <= one engine's sequences
     max_model_len: int | None = None  # vLLM context limit; None = max_prompt_length + max_response_length
+    # staleness studies (issue #31): the rollout engine generates with the weights of exactly this many updates
+    # ago (the first steps with the initial weights), colocated only; 0 = the current weights, as training should
+    weights_lag: int = 0
 
 
 @dataclass
@@ -664,7 +667,11 @@ def behavior_correction(cfg: Config) -> str:
 def stale_samples_possible(cfg: Config) -> bool:
     """Whether a trained sample can come from older weights: partial rollout, or a rollout pool one step off."""
     pool = cfg.rollout_pool
-    return cfg.partial_rollout.round_tokens is not None or (pool.devices_per_node > 0 and pool.max_staleness > 0)
+    return (
+        cfg.partial_rollout.round_tokens is not None
+        or (pool.devices_per_node > 0 and pool.max_staleness > 0)
+        or cfg.rollout.weights_lag > 0
+    )
 
 
 @validator
@@ -691,6 +698,18 @@ def rollout_world(cfg: Config) -> int:
     """Devices that generate: the rollout pool's, else (colocated) the trainer's."""
     pool, t = cfg.rollout_pool, cfg.trainer
     return pool.nnodes * pool.devices_per_node if pool.devices_per_node > 0 else t.nnodes * t.devices_per_node
+
+
+@validator
+def _weights_lag(cfg: Config) -> Iterable[str]:
+    lag, elsewhere = cfg.rollout.weights_lag, (cfg.rollout_pool.devices_per_node, cfg.partial_rollout.round_tokens)
+    if lag < 0:
+        yield f"config key 'rollout.weights_lag' must be >= 0, got {lag}"
+    elif lag and (any(elsewhere) or cfg.dynamic_sampling.enabled):
+        yield (
+            "config key 'rollout.weights_lag' (a staleness study's fixed lag) runs colocated and synchronous only: "
+            "leave rollout_pool, partial_rollout and dynamic_sampling off, or set it to 0"
+        )
 
 
 @validator

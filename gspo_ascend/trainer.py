@@ -121,6 +121,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         metrics["reward/zero_var_group_frac"] = zero_variance_share(rewards, batch.group_index)
     else:
         batch, rewards, versions, metrics = collect(run, step, timer)
+    if cfg.rollout.weights_lag:  # a staleness study: every sample from the weights of exactly `lag` updates ago
+        version = max(0, step - 1 - cfg.rollout.weights_lag)
+        versions, metrics["async/staleness"] = torch.full_like(batch.response_ids, version), float(step - 1 - version)
     batch.advantages = grpo_advantages(rewards, batch.group_index, norm_by_std=cfg.algorithm.norm_adv_by_std)
     with timer("old_log_prob"):
         batch.old_log_probs = old_log_probs(run, batch)
@@ -137,7 +140,12 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         if run.pipeline.max_staleness == 0 and step < cfg.trainer.total_steps:
             run.pipeline.submit(run, step + 1, rollout_params(run, step + 1))
     metrics |= batch_metrics(batch) | timer.metrics(batch.num_tokens())
+    lagged = cfg.rollout.weights_lag and validation.is_due(run, step)
+    if lagged:  # a staleness study validates the weights it trained, not the lagged ones the rollout generates with
+        run.workers.show_weights("current")
     metrics |= validation.due(run, step)  # held-out prompts every trainer.test_freq steps and at the last
+    if lagged:
+        run.workers.show_weights("lagged")
     run.logger.log(step, metrics)
     return metrics
 
@@ -290,6 +298,11 @@ def start(run: Run) -> None:
     run.workers = build_workers(run.cfg, run.backend, run.model_path)
     run.scheduler = build_scheduler(run.cfg, run.sampler, run.dataset)
     run.pipeline = build_pipeline(run.cfg)
+    if run.resume_from is not None and run.cfg.rollout.weights_lag:
+        raise UserError(
+            f"rollout.weights_lag={run.cfg.rollout.weights_lag}: a checkpoint holds no older weights, so a resume "
+            "would not be the same study; start it again (trainer.resume=never) or set rollout.weights_lag=0"
+        )
     if run.resume_from is not None:
         state = load_trainer_state(run.resume_from)
         try:

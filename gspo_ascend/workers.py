@@ -87,6 +87,8 @@ class PolicyWorker:
         self.rollout_engine = build_rollout_engine(self.cfg, backend, self.model_path) if rollout else None
         # GSPO_SIMULATED_ENGINES (tests and benchmarks only): the engines' time modelled, slept through
         self.train_engine, self.rollout_engine = simulated.wrap(self.train_engine, self.rollout_engine)
+        if self.cfg.rollout.weights_lag and train and rollout:
+            self.start_history()
 
     # -- the sync group between pools (disaggregated rollout; weight_sync.py) -------------------------------
 
@@ -159,9 +161,33 @@ class PolicyWorker:
         the trainer's state, the rollout weights and the KV cache on the device at once: 64.6 GiB for the 30B
         layout on a 64 GiB 910B (issue #25)."""
         start = time.perf_counter()
-        sent = self.rollout_engine.update_weights(self.train_engine.export_weights())
+        weights = self.train_engine.export_weights()
+        if self.cfg.rollout.weights_lag:  # a staleness study: the weights of exactly weights_lag updates ago
+            weights = self._lagged(weights)
+        sent = self.rollout_engine.update_weights(weights)
         self.rollout_engine.sleep()
         return {"sync/bytes": float(sent), "sync/time_s": time.perf_counter() - start}
+
+    def start_history(self) -> None:
+        """``rollout.weights_lag``: version 0, the weights before any update (the export is a collective)."""
+        from collections import deque
+
+        self._history = deque([[(n, t.detach().to("cpu", copy=True)) for n, t in self.train_engine.export_weights()]])
+
+    def _lagged(self, weights) -> list:
+        """``rollout.weights_lag`` (staleness studies): host copies of the last lag + 1 versions, the initial one
+        first (taken at set-up); the oldest is what the rollout engine holds."""
+        self._history.append([(name, t.detach().to("cpu", copy=True)) for name, t in weights])
+        while len(self._history) > self.cfg.rollout.weights_lag + 1:
+            self._history.popleft()
+        return self._history[0]
+
+    def show_weights(self, which: str) -> None:
+        """``rollout.weights_lag``: validation measures the current weights ("current"), then the rollout engine
+        goes back to the lagged ones ("lagged")."""
+        named = self.train_engine.export_weights() if which == "current" else self._history[0]
+        self.rollout_engine.update_weights(named)
+        self.rollout_engine.sleep()
 
     def save_checkpoint(self, path: str) -> None:
         self.train_engine.save_checkpoint(path)
@@ -364,6 +390,9 @@ class WorkerGroup:
         shards = [SampleBatch.concat([parts[j][r] for j in range(minibatches)]) for r in range(self.world_size)]
         per_rank = self._get([w.update.remote(s, temperature) for w, s in zip(self.workers, shards, strict=True)])
         return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
+
+    def show_weights(self, which: str) -> None:
+        self._all("show_weights", which)
 
     def sync_weights(self) -> dict[str, float]:
         per_rank = self._all("sync_weights")

@@ -162,7 +162,7 @@ class PolicyWorker:
         layout on a 64 GiB 910B (issue #25)."""
         start = time.perf_counter()
         weights = self.train_engine.export_weights()
-        if self.cfg.rollout.weights_lag:  # a staleness study: the weights of exactly weights_lag updates ago
+        if getattr(self, "_history", None) is not None:  # rollout.weights_lag: the weights of `lag` updates ago
             weights = self._lagged(weights)
         sent = self.rollout_engine.update_weights(weights)
         self.rollout_engine.sleep()
@@ -172,14 +172,14 @@ class PolicyWorker:
         """``rollout.weights_lag``: version 0, the weights before any update (the export is a collective)."""
         from collections import deque
 
-        self._history = deque([[(n, t.detach().to("cpu", copy=True)) for n, t in self.train_engine.export_weights()]])
+        lag = self.cfg.rollout.weights_lag
+        self._history = deque(maxlen=lag + 1)  # the oldest (lag updates ago) is dropped as the newest comes in
+        self._history.append([(n, t.detach().to("cpu", copy=True)) for n, t in self.train_engine.export_weights()])
 
     def _lagged(self, weights) -> list:
         """``rollout.weights_lag`` (staleness studies): host copies of the last lag + 1 versions, the initial one
         first (taken at set-up); the oldest is what the rollout engine holds."""
         self._history.append([(name, t.detach().to("cpu", copy=True)) for name, t in weights])
-        while len(self._history) > self.cfg.rollout.weights_lag + 1:
-            self._history.popleft()
         return self._history[0]
 
     def show_weights(self, which: str) -> None:

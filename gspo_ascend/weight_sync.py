@@ -22,6 +22,7 @@ vLLM's worker process).
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -119,16 +120,12 @@ class Receiver:
             data = torch.empty(data_len, dtype=torch.uint8, device=self.device)
             broadcast(self.group, data)
             self.bytes += data_len
-            manifest = json.loads(bytes(meta.cpu().tolist()))
+            manifest = json.loads(meta.cpu().numpy().tobytes())
             yield from _unpack(manifest, data)
 
 
 def _unpack(manifest: dict, data: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     for entry in manifest["tensors"]:
         dtype, shape = _dtype(entry["dtype"]), entry["shape"]
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        raw = data[entry["offset"] : entry["offset"] + nbytes]
+        raw = data[entry["offset"] : entry["offset"] + math.prod(shape) * dtype.itemsize]
         yield entry["name"], (raw.view(dtype) if dtype != torch.uint8 else raw).reshape(shape)

@@ -172,9 +172,8 @@ class PolicyWorker:
         """``rollout.weights_lag``: version 0, the weights before any update (the export is a collective)."""
         from collections import deque
 
-        lag = self.cfg.rollout.weights_lag
-        self._history = deque(maxlen=lag + 1)  # the oldest (lag updates ago) is dropped as the newest comes in
-        self._history.append([(n, t.detach().to("cpu", copy=True)) for n, t in self.train_engine.export_weights()])
+        self._history = deque(maxlen=self.cfg.rollout.weights_lag + 1)  # the oldest drops out as the newest comes
+        self._lagged(self.train_engine.export_weights())
 
     def _lagged(self, weights) -> list:
         """``rollout.weights_lag`` (staleness studies): host copies of the last lag + 1 versions, the initial one

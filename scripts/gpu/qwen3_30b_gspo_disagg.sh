@@ -7,8 +7,8 @@
 #   worker(s): NODE_RANK=1 HEAD_ADDR=<head ip> bash scripts/gpu/qwen3_30b_gspo_disagg.sh
 #   check:     bash scripts/gpu/qwen3_30b_gspo_disagg.sh --dry-run   (config, preflight, memory plan; no hardware)
 # Why 4 rollout : 12 trainer: `python benchmarks/step_model.py --preset qwen3-30b-a3b-h20-2x8` recommends it
-# (~1.05x the colocated step without partial rollout, which a rollout pool does not take yet; 8 : 8 models at
-# ~1.09x, within the model's error, but is no layout on the Atlas, and both scripts keep one config). It is a
+# (~1.05x the colocated step without partial rollout, which a rollout pool takes only at max_staleness=0; 8 : 8
+# models at ~1.09x, within the model's error, but is no layout on the Atlas, and both scripts keep one config). It is a
 # model, not a measurement: this script is how to measure it (docs/disaggregated.md).
 # Same shape as scripts/npu/qwen3_30b_gspo_disagg.sh.
 set -euo pipefail

@@ -7,6 +7,7 @@ bitwise (sha256 of the bytes, by HF name), before and after an update changed th
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.test_multinode import ray_env, start_node, stop, wait_for_nodes  # noqa: F401, F811 (a fixture)
+from tests.e2e.test_multinode import join_node, ray_env, start_head, stop  # noqa: F401, F811 (a fixture)
 from tests.unit.test_scripts import free_ports
 
 pytestmark = pytest.mark.slow
@@ -57,25 +58,11 @@ print("REPORT " + json.dumps(report))
 def test_every_synced_tensor_is_the_trainers_export_bitwise_across_two_nodes(ray_env, tmp_path):  # noqa: F811
     r = ray_env
     gcs, client, agent1, agent2 = free_ports(4)
-    address = f"127.0.0.1:{gcs}"
     temps = [Path(tempfile.mkdtemp(prefix=p, dir="/tmp")) for p in ("gh", "gw")]
     cluster: list[subprocess.Popen] = []
     try:
-        head = ("--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--include-dashboard=false")
-        cluster.append(
-            start_node(
-                r,
-                *head,
-                f"--ray-client-server-port={client}",
-                f"--dashboard-agent-listen-port={agent1}",
-                f"--temp-dir={temps[0]}",
-                head=True,
-            )  # fmt: skip
-        )
-        wait_for_nodes(r, address, 1)
-        node = (f"--address={address}", "--node-ip-address=127.0.0.1", f"--dashboard-agent-listen-port={agent2}")
-        cluster.append(start_node(r, *node, f"--temp-dir={temps[1]}", head=False))
-        wait_for_nodes(r, address, 2)
+        address = start_head(r, cluster, gcs, client, agent1, temps[0])
+        join_node(r, cluster, address, agent2, temps[1], nodes=2)
         done = subprocess.run(
             [sys.executable, "-c", DRIVER, str(r["model"]), str(r["data"] / "train.parquet")],
             env={**r["env"], "RAY_ADDRESS": address},
@@ -87,6 +74,8 @@ def test_every_synced_tensor_is_the_trainers_export_bitwise_across_two_nodes(ray
     finally:
         for proc in reversed(cluster):
             stop(proc)
+        for tmp in temps:
+            shutil.rmtree(tmp, ignore_errors=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout.split("REPORT ", 1)[1])
     assert len(set(report["nodes"])) == 2, report["nodes"]  # the pools on different raylets

@@ -163,6 +163,26 @@ def start_node(r: dict, *args: str, head: bool) -> subprocess.Popen:
     )
 
 
+def start_head(r: dict, cluster: list, gcs: int, client: int, agent: int, temp: Path) -> str:
+    """A head node at 127.0.0.1:``gcs``, kept in ``cluster`` (the caller stops it) before it is waited for; returns
+    its address once it serves."""
+    args = ("--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--include-dashboard=false")
+    ports = (f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}")
+    cluster.append(start_node(r, *args, *ports, f"--temp-dir={temp}", head=True))
+    address = f"127.0.0.1:{gcs}"
+    wait_for_nodes(r, address, 1)
+    return address
+
+
+def join_node(r: dict, cluster: list, address: str, agent: int, temp: Path, nodes: int) -> subprocess.Popen:
+    """A worker node joining ``address``, kept in ``cluster``, returned once ``nodes`` nodes serve."""
+    args = (f"--address={address}", "--node-ip-address=127.0.0.1", f"--dashboard-agent-listen-port={agent}")
+    node = start_node(r, *args, f"--temp-dir={temp}", head=False)
+    cluster.append(node)
+    wait_for_nodes(r, address, nodes)
+    return node
+
+
 def wait_for_nodes(r: dict, address: str, n: int, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -218,29 +238,12 @@ def test_two_nodes_launch_checkpoint_node_loss_and_resume(ray_env, tmp_path):
 
     # ---------------------------------------------------------------------- half 2: node loss, then resume
     gcs, client, agent1, agent2, agent3 = free_ports(5)
-    address = f"127.0.0.1:{gcs}"
     head_tmp = Path(tempfile.mkdtemp(prefix="gh", dir="/tmp"))
     node_tmps = [Path(tempfile.mkdtemp(prefix="gw", dir="/tmp")) for _ in range(2)]
     cluster: list[subprocess.Popen] = []
     try:
-        head_args = ("--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--include-dashboard=false")
-        cluster.append(
-            start_node(
-                r,
-                *head_args,
-                f"--ray-client-server-port={client}",
-                f"--dashboard-agent-listen-port={agent1}",
-                f"--temp-dir={head_tmp}",
-                head=True,
-            )
-        )
-        wait_for_nodes(r, address, 1)
-        node_args = (f"--address={address}", "--node-ip-address=127.0.0.1")
-        second = start_node(
-            r, *node_args, f"--dashboard-agent-listen-port={agent2}", f"--temp-dir={node_tmps[0]}", head=False
-        )
-        cluster.append(second)
-        wait_for_nodes(r, address, 2)
+        address = start_head(r, cluster, gcs, client, agent1, head_tmp)
+        second = join_node(r, cluster, address, agent2, node_tmps[0], nodes=2)
 
         resumed = tmp_path / "resumed"
         driver = subprocess.Popen(
@@ -279,12 +282,7 @@ def test_two_nodes_launch_checkpoint_node_loss_and_resume(ray_env, tmp_path):
         assert errors[0].endswith(f"it resumes from {resumed.resolve() / 'checkpoints' / 'step_00000002'}")
         assert not (resumed / "checkpoints" / "step_00000004").exists()
 
-        cluster.append(
-            start_node(
-                r, *node_args, f"--dashboard-agent-listen-port={agent3}", f"--temp-dir={node_tmps[1]}", head=False
-            )
-        )
-        wait_for_nodes(r, address, 2)
+        join_node(r, cluster, address, agent3, node_tmps[1], nodes=2)
         t0 = time.monotonic()
         again = subprocess.run(
             train_on(r, address, resumed),

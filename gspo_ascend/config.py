@@ -611,18 +611,25 @@ def _rollout_tensor_parallel(cfg: Config) -> Iterable[str]:
         )
 
 
+def _inert(section: str, value: Any, keys: Iterable[str], needs: str) -> Iterable[str]:
+    """The ``keys`` of ``section`` set away from their defaults while what makes them act is off: an accepted key
+    that does nothing is refused."""
+    default = type(value)()
+    for key in keys:
+        if getattr(value, key) != getattr(default, key):
+            yield f"config key '{section}.{key}' has no effect without {needs}"
+
+
 @validator
 def _partial_rollout(cfg: Config) -> Iterable[str]:
     p, d = cfg.partial_rollout, cfg.dynamic_sampling
     if p.round_tokens is None:  # off: the other keys would do nothing
-        default = PartialRolloutConfig()
-        for key in ("max_rounds", "extra_groups"):
-            if getattr(p, key) != getattr(default, key):
-                yield f"config key 'partial_rollout.{key}' has no effect without 'partial_rollout.round_tokens'; set it"
+        keys = ("max_rounds", "extra_groups")
+        yield from _inert("partial_rollout", p, keys, "'partial_rollout.round_tokens'; set it")
     else:
         yield from _partial_rollout_values(cfg)
-    if not d.enabled and d.max_draws != DynamicSamplingConfig().max_draws:
-        yield "config key 'dynamic_sampling.max_draws' has no effect without 'dynamic_sampling.enabled=true'"
+    if not d.enabled:
+        yield from _inert("dynamic_sampling", d, ("max_draws",), "'dynamic_sampling.enabled=true'")
     if d.max_draws < 1:
         yield f"config key 'dynamic_sampling.max_draws' must be >= 1 (the first batch counts), got {d.max_draws}"
 
@@ -676,14 +683,10 @@ def stale_samples_possible(cfg: Config) -> bool:
 
 @validator
 def _behavior_correction(cfg: Config) -> Iterable[str]:
-    a, default = cfg.algorithm, AlgorithmConfig()
-    if not stale_samples_possible(cfg):
-        for key in ("behavior_correction", "behavior_cap"):
-            if getattr(a, key) != getattr(default, key):
-                yield (
-                    f"config key 'algorithm.{key}' has no effect when every sample comes from the current weights; set "
-                    "'partial_rollout.round_tokens' or 'rollout_pool.devices_per_node' with max_staleness=1, or drop it"
-                )
+    a = cfg.algorithm
+    if not stale_samples_possible(cfg):  # every sample comes from the current weights
+        stale = "samples from older weights ('partial_rollout.round_tokens', a rollout pool one step off, or "
+        yield from _inert("algorithm", a, ("behavior_correction", "behavior_cap"), stale + "'rollout.weights_lag')")
         return
     if a.behavior_correction == "seq_tis" and a.old_logprobs == "engine":
         yield (
@@ -714,11 +717,10 @@ def _weights_lag(cfg: Config) -> Iterable[str]:
 
 @validator
 def _rollout_pool(cfg: Config) -> Iterable[str]:
-    pool, default = cfg.rollout_pool, RolloutPoolConfig()
+    pool = cfg.rollout_pool
     if pool.devices_per_node == 0:
-        for key in ("nnodes", "max_staleness", "sync_bucket_mb"):
-            if getattr(pool, key) != getattr(default, key):
-                yield f"config key 'rollout_pool.{key}' has no effect without 'rollout_pool.devices_per_node'; set it"
+        keys = ("nnodes", "max_staleness", "sync_bucket_mb")
+        yield from _inert("rollout_pool", pool, keys, "'rollout_pool.devices_per_node'; set it")
         return
     if pool.devices_per_node < 0 or pool.nnodes < 1:
         yield "config keys 'rollout_pool.devices_per_node' (>= 0) and 'rollout_pool.nnodes' (>= 1) are out of range"

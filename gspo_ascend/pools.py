@@ -65,7 +65,11 @@ class DisaggregatedWorkers:
             file=sys.stderr,
             flush=True,
         )
-        self._join_sync()
+        try:
+            self._join_sync()
+        except BaseException:  # the driver never gets this object: free both pools' actors and bundles here
+            self.shutdown()
+            raise
 
     def _join_sync(self) -> None:
         """Trainer rank 0 is the sync group's rank 0 (and its store's host); rollout rank r is r + 1. Every member

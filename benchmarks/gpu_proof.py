@@ -14,11 +14,11 @@ order of what they prove (a step that finds the budget spent is ``skip`` with th
 2. ``small_model``: ``make-tiny-model --size small`` on the device (the benchmark's 22M Qwen3; ~40 min on 2 CPU
    cores, ~60 s on an H100). ``--size tiny`` uses the embedded tiny model instead.
 3. ``train``: ``gspo-ascend train`` of the synthetic task through Ray, fsdp + hf rollout, bf16 (fp32 on a CPU),
-   5 steps, validation before and after: reward and validation accuracy first -> last, seconds per step by
-   stage. Third, before the measurements: the product's own path, which no H100 run has yet seen finish at this
-   size (third with 20 steps it used its whole limit and the budget, 16.7 s a step; last it got the budget's
-   final 93 s), while the throughput and TRL figures below have two runs each. 5 steps: ~85 s of steps, ~30 s of
-   start-up and validation.
+   4 steps, validation at the last: reward and validation accuracy, seconds per step by stage. Third, before
+   the measurements: the product's own path, which no H100 run has yet seen finish at this size (run 4: 10 of 20
+   steps in its limit, 16.7 s a step; run 6: the budget's last 93 s; run 8: 3 of 5 steps in 200 s, 27 s a step
+   and two 42 s validations), while the throughput and TRL figures below have two runs each. 4 steps: ~120 s of
+   steps, ~60 s of start-up and the one validation.
 4. ``throughput_fsdp``, ``throughput_megatron``: ``benchmarks/train_throughput.py``, fwd + bwd + optimizer of a
    Qwen3-0.6B-shaped model at 4k-token micro-batches: tokens/s, MFU, peak memory against the planner's.
 5. ``trl``: ``benchmarks/e2e_vs_trl.py`` ours-hf against TRL's GRPOTrainer (sequence-level IS), same GPU, same
@@ -186,7 +186,12 @@ def train_overrides(ctx: Ctx) -> list[str]:
         "data.max_response_length=512",  # the small model's long right tail (benchmarks/README.md)
         "actor.use_remove_padding=true",
         "actor.max_tokens_per_micro_batch=16384",
-        "trainer.total_steps=5",  # validation at 0 and 5; the step time on a GPU is what this run measures
+        # 4 steps and one validation, at the end: run 8 measured 27 s a step, a 40 s first step and 42 s for a
+        # greedy validation (39 prompts to 512 tokens) on the H100, so 5 steps with two validations (run 8's
+        # setting) needed ~250 s against the step's 200; this fits, and shows the command exiting on a GPU
+        "trainer.total_steps=4",
+        "trainer.test_freq=4",
+        "trainer.val_before_train=false",
     ]
 
 

@@ -69,7 +69,8 @@ class RolloutConfig:
     cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes captured, each <= one engine's sequences
     max_model_len: int | None = None  # vLLM context limit; None = max_prompt_length + max_response_length
     # staleness studies (issue #31): the rollout engine generates with the weights of exactly this many updates
-    # ago (the first steps with the initial weights), colocated only; 0 = the current weights, as training should
+    # ago (the first steps with the initial weights), colocated only; 0 = the current weights, as training should.
+    # With algorithm.old_logprobs=engine it costs one extra forward a step: the behavior/* drift metrics
     weights_lag: int = 0
 
 

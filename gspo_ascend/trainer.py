@@ -129,6 +129,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         batch.old_log_probs = old_log_probs(run, batch)
     if versions is not None and behavior_correction(cfg) == "seq_tis":
         metrics |= correct_behavior(run, batch, versions < step - 1)
+    elif cfg.rollout.weights_lag and cfg.algorithm.old_logprobs == "engine":
+        with timer("diagnostics"):  # a staleness study: the gap the uncorrected objective trains across, measured
+            metrics |= behavior_diagnostics(run, batch, versions < step - 1)
     with timer("update"):
         metrics |= run.workers.update(batch, cfg.rollout.temperature, cfg.algorithm.minibatches_per_rollout)
     if run.pipeline is None:
@@ -255,6 +258,19 @@ def correct_behavior(run: Run, batch: SampleBatch, stale: torch.Tensor) -> dict[
         batch.old_log_probs, batch.rollout_log_probs, stale, batch.response_mask, run.cfg.algorithm.behavior_cap
     )
     batch.advantages = batch.advantages * weights
+    return metrics
+
+
+def behavior_diagnostics(run: Run, batch: SampleBatch, stale: torch.Tensor) -> dict[str, float]:
+    """``rollout.weights_lag`` with ``old_logprobs=engine``: the ``behavior/*`` metrics of the correction this run
+    does not apply (pi_prox recomputed for them alone, one forward), so a study compares the drift of both pi_old
+    choices on the same scale. Nothing about the update changes."""
+    from .algorithms.behavior import behavior_weights
+
+    prox = run.workers.compute_log_probs(batch, run.cfg.rollout.temperature)
+    _, metrics = behavior_weights(
+        prox, batch.rollout_log_probs, stale, batch.response_mask, run.cfg.algorithm.behavior_cap
+    )
     return metrics
 
 

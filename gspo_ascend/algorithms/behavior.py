@@ -39,7 +39,10 @@ def behavior_weights(
     cap: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``[B]`` weights w_i (module docstring) and their metrics over the samples with a stale token:
-    ``behavior/weight_mean``, ``_max``, ``_capped_frac`` (1, 1, 0 when there is none)."""
+    ``behavior/weight_mean``, ``_max``, ``_capped_frac`` (1, 1, 0 when there is none); ``behavior/ess``, the
+    effective sample size of the capped weights as a share of those samples, (sum w)^2 / (n sum w^2) (1 when
+    there is none or all are equal); ``behavior/kl_k3``, KL(mu || pi_prox) per stale token, the k3 estimator
+    exp(d) - 1 - d of d = log pi_prox - log mu (samples come from mu; 0 when there is none)."""
     mask = response_mask.bool()
     counted = mask & stale.bool()
     delta = torch.where(counted, prox_log_prob.float() - behavior_log_prob.float(), torch.zeros(()))
@@ -52,5 +55,7 @@ def behavior_weights(
         "behavior/weight_mean": float(picked.mean()) if picked.numel() else 1.0,
         "behavior/weight_max": float(picked.max()) if picked.numel() else 1.0,
         "behavior/capped_frac": float((raw[rows] > cap).float().mean()) if picked.numel() else 0.0,
+        "behavior/ess": float(picked.sum() ** 2 / (picked.numel() * (picked**2).sum())) if picked.numel() else 1.0,
+        "behavior/kl_k3": float((torch.expm1(delta) - delta)[counted].mean()) if counted.any() else 0.0,
     }
     return weights, metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import random
 
 import pytest
@@ -271,6 +272,26 @@ def test_behavior_weights_by_hand():
     assert torch.allclose(w, torch.tensor([torch.exp(torch.tensor(0.5 / 3)).item(), 1.0, 2.0]))
     assert m["behavior/capped_frac"] == 0.5 and m["behavior/weight_max"] == 2.0
     assert m["behavior/weight_mean"] == pytest.approx((torch.exp(torch.tensor(0.5 / 3)).item() + 2.0) / 2)
+    w0 = math.exp(0.5 / 3)  # the ESS share of the two weighted rows: (w0 + 2)^2 / (2 (w0^2 + 4))
+    assert m["behavior/ess"] == pytest.approx((w0 + 2) ** 2 / (2 * (w0**2 + 4)))
+    # k3 = e^d - 1 - d over the 6 stale, unpadded tokens: d = 0.5, 0 (row 0) and 4 x 4.0 (row 2)
+    k3 = [math.expm1(d) - d for d in (0.5, 0.0, 4.0, 4.0, 4.0, 4.0)]
+    assert m["behavior/kl_k3"] == pytest.approx(sum(k3) / 6)
+
+
+def test_behavior_metrics_without_a_stale_sample():
+    from gspo_ascend.algorithms.behavior import behavior_weights
+
+    lp = torch.tensor([[-1.0, -2.0]])
+    w, m = behavior_weights(lp, lp - 1, torch.zeros(1, 2, dtype=torch.bool), torch.ones(1, 2), cap=2.0)
+    assert w.tolist() == [1.0]
+    assert m == {
+        "behavior/weight_mean": 1.0,
+        "behavior/weight_max": 1.0,
+        "behavior/capped_frac": 0.0,
+        "behavior/ess": 1.0,
+        "behavior/kl_k3": 0.0,
+    }
 
 
 def test_weight_on_the_advantage_is_the_weight_on_the_loss():

@@ -221,16 +221,18 @@ def collect(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tenso
 
 
 def take_pipelined(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tensor, torch.Tensor, dict]:
-    """A rollout pool (pipeline.py): batch ``step`` from the pool; one step off, the pool then gets the trainer's
-    weights and starts batch ``step + 1`` before this one is scored and trained."""
+    """A rollout pool (pipeline.py): batch ``step`` from the pool; with max_staleness eta >= 1, when that emptied
+    the pool's queue, the pool gets the trainer's weights and starts the next eta batches before this one is scored
+    and trained."""
     pipeline = run.pipeline
     with timer("wait_rollout"):  # the trainer's idle time: it has nothing to do until this batch is here
         rows, batch, version = pipeline.take(run, step, rollout_params(run, step))
     metrics: dict[str, float] = {}
-    if pipeline.max_staleness >= 1 and step < run.cfg.trainer.total_steps:
+    total = run.cfg.trainer.total_steps
+    if pipeline.max_staleness >= 1 and not pipeline.in_flight and step < total:
         with timer("sync"):
             metrics |= sync_pool(run, after_update=False)
-        pipeline.submit(run, step + 1, rollout_params(run, step + 1))
+        pipeline.refill(run, step, total, lambda s: rollout_params(run, s))
     prompts = [run.dataset[i] for i in rows]
     with timer("reward"):
         rewards, scored = score(run, batch, prompts, step)
@@ -330,7 +332,7 @@ def start(run: Run) -> None:
             run.workers.version = int(state["step"])
         # the rollout engine still holds the initial weights. With a batch in flight (loaded above), the step that
         # trains it sends them, as the uninterrupted run did at that step
-        if run.pipeline is None or run.pipeline.pending is None:
+        if run.pipeline is None or not run.pipeline.in_flight:
             run.workers.sync_weights()
         run.sampler.load_state_dict(state["sampler"])
         load_scheduler(run.scheduler, run.resume_from)

@@ -330,7 +330,7 @@ def test_weight_on_the_advantage_is_the_weight_on_the_loss():
         ),
         (["algorithm.behavior_cap=3"], "algorithm.behavior_cap"),  # nothing is stale without partial rollout
         (["rollout_pool.max_staleness=0"], "rollout_pool.max_staleness"),  # no pool
-        (["rollout_pool.devices_per_node=1", "rollout_pool.max_staleness=2"], "rollout_pool.max_staleness"),
+        (["rollout_pool.devices_per_node=1", "rollout_pool.max_staleness=-1"], "rollout_pool.max_staleness"),
         (["rollout_pool.devices_per_node=1", "partial_rollout.round_tokens=32"], "partial_rollout.round_tokens"),
         (["rollout_pool.devices_per_node=1", "dynamic_sampling.enabled=true"], "dynamic_sampling.enabled"),
     ],

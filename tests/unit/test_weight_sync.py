@@ -106,9 +106,10 @@ def test_the_pipeline_refuses_a_batch_older_than_its_bound_or_for_another_step()
     pipeline.submit(run, 4, None)
     with pytest.raises(RuntimeError, match="for step 4, not 3"):
         pipeline.take(run, 3, None)
-    pipeline.submit(run, 5, None)  # version 0 at step 5: four versions old
+    stale = Pipeline(max_staleness=1)
+    stale.submit(run, 5, None)  # version 0 at step 5: four versions old
     with pytest.raises(RuntimeError, match="4 versions old, over the bound 1"):
-        pipeline.take(run, 5, None)
+        stale.take(run, 5, None)
 
 
 def test_a_checkpointed_batch_in_flight_round_trips():
@@ -121,3 +122,33 @@ def test_a_checkpointed_batch_in_flight_round_trips():
     rows, batch, version = again.take(run, 4, None)
     assert rows == [0, 1] and version == 2 and batch.prompt_ids == [[0], [1]]
     assert Pipeline(1).state_dict() is None  # nothing in flight: nothing saved
+
+
+def test_a_group_of_eta_batches_shares_one_version_and_lags_one_to_eta():
+    """max_staleness=3: after the queue empties, steps k+1..k+3 are submitted with the version of that moment, and
+    batch k+j trains at lag j; the group stops at the last step."""
+    run, pipeline = _Run(), Pipeline(max_staleness=3)
+    assert pipeline.take(run, 1, None)[2] == 0 and not pipeline.in_flight
+    seen = []
+    assert pipeline.refill(run, 1, 4, lambda s: seen.append(s) or {"step": s}) == [2, 3, 4]  # total_steps 4
+    assert seen == [2, 3, 4] and [i.step for i in pipeline.queue] == [2, 3, 4]
+    run.workers.rollout_version = 9  # a later sync does not restamp what was submitted before it
+    lags = [(step - 1) - pipeline.take(run, step, None)[2] for step in (2, 3, 4)]
+    assert lags == [1, 2, 3] and not pipeline.in_flight
+    assert pipeline.refill(run, 4, 4, None) == []  # the last step starts nothing
+
+
+def test_a_checkpoint_holds_every_batch_in_flight_and_reads_the_one_batch_format():
+    run, pipeline = _Run(), Pipeline(max_staleness=2)
+    run.workers.rollout_version = 3
+    pipeline.refill(run, 4, 10, lambda s: None)
+    state = pipeline.state_dict()
+    assert [b["step"] for b in state["batches"]] == [5, 6] and [b["rows"] for b in state["batches"]] == [[0, 1], [2, 3]]
+    again = Pipeline(max_staleness=2)
+    again.load_state_dict(state)
+    assert again.take(run, 5, None)[0] == [0, 1] and [i.step for i in again.queue] == [6]
+    assert again.take(run, 6, None)[0] == [2, 3]
+    old = Pipeline(max_staleness=1)  # one-step-off's checkpoints before groups: one batch, its keys at the top
+    old.load_state_dict(state["batches"][0])
+    rows, batch, version = old.take(run, 5, None)
+    assert rows == [0, 1] and version == 3 and batch.prompt_ids == [[0], [1]]

@@ -9,7 +9,10 @@ The grid: model (tiny MoE, tiny dense) x loss (GSPO, GSPO-token, GRPO) x stalene
 (``engine``: the rollout engine's log-probs, i.e. the stale behaviour policy mu itself, no correction; ``recompute``:
 pi_prox recomputed by the trainer with the decoupled capped sequence correction of algorithms/behavior.py) x
 seeds. At eta = 0 the two pi_old differ only by the engines' precision gap (both are Hugging Face forwards here),
-so eta 0 runs once, with ``recompute``: 2 x 3 x (1 + 3 x 2) x seeds runs.
+so eta 0 runs once, with ``recompute``. GSPO-token runs for seed 0 only (``--token-seeds``): with one advantage
+per sequence it is GSPO's objective (paper, section 4.3), which the report measures. Default: 2 models x 7
+(eta, pi_old) x (2 losses x 3 seeds + GSPO-token x 1) = 98 runs of 40 steps, ~50 s each on 2 shared cores with
+two shards: ~45 min.
 
 Staleness is forced with ``rollout.weights_lag = eta``: step k's samples come from the weights after update
 k - 1 - eta, exactly eta versions old once k > eta; the first eta steps can only use the initial weights (no older
@@ -82,13 +85,17 @@ def run_name(model: str, loss: str, eta: int, pi_old: str, seed: int) -> str:
     return f"{model}-{loss}-eta{eta}-{pi_old}-seed{seed}"
 
 
-def grid(models: list[str], losses: list[str], etas: list[int], seeds: int) -> list[tuple[str, str, int, str, int]]:
-    """(model, loss, eta, pi_old, seed), seed-major: an interrupted study has whole seeds of every cell first."""
+def grid(
+    models: list[str], losses: list[str], etas: list[int], seeds: int, token_seeds: int = 1
+) -> list[tuple[str, str, int, str, int]]:
+    """(model, loss, eta, pi_old, seed), seed-major: an interrupted study has whole seeds of every cell first.
+    GSPO-token runs for the first ``token_seeds`` seeds only: with one advantage per sequence it is GSPO's
+    objective (paper, section 4.3; the report measures how exactly), so more seeds of it would repeat GSPO's."""
     cells = []
     for seed in range(seeds):
         for model in models:
             for eta in etas:
-                for loss in losses:
+                for loss in (x for x in losses if x != "gspo_token" or seed < token_seeds):
                     cells += [(model, loss, eta, p, seed) for p in (("recompute",) if eta == 0 else PI_OLD)]
     return cells
 
@@ -169,7 +176,7 @@ def train_one(cell: tuple[str, str, int, str, int], args: argparse.Namespace) ->
 
 
 def train_all(args: argparse.Namespace) -> None:
-    cells = grid(args.models, args.losses, args.etas, args.seeds)
+    cells = grid(args.models, args.losses, args.etas, args.seeds, args.token_seeds)
     mine = [c for i, c in enumerate(cells) if i % args.shard[1] == args.shard[0] - 1]
     todo = [c for c in mine if not finished(args.out / "raw" / f"{run_name(*c)}.jsonl", args.steps)]
     print(f"staleness study: {len(cells)} runs in the grid, {len(mine)} in this shard, {len(todo)} to run", flush=True)
@@ -217,12 +224,14 @@ def run_summary(records: list[dict], eta: int, steps: int) -> dict[str, float]:
     rewards = [float(r["reward/mean"]) for r in trained]
     lengths = [float(r["response/length_mean"]) for r in trained]
     val = [float(r[VAL_KEY]) for r in records if r.get(VAL_KEY) is not None]
+    fall = rp.reward_fall(rewards) if rewards else {"drop": math.nan, "bottom": None}
 
     def mean_of(key: str, rows: list[dict] = steady) -> float:
         return rp._mean(rp._values(rows, key))
 
     return {
         "val_final": val[-1] if val else math.nan,
+        "val_late": rp._mean(val[-2:]),  # the last two validations: 78 greedy answers, half the noise of one
         "val_gain": val[-1] - val[0] if len(val) >= 2 else math.nan,
         "reward_last": rp._mean(rewards[-w:]),
         "clipfrac_seq": mean_of("actor/clipfrac_seq"),
@@ -233,7 +242,8 @@ def run_summary(records: list[dict], eta: int, steps: int) -> dict[str, float]:
         "ess": mean_of("behavior/ess"),
         "kl_behavior": mean_of("behavior/kl_k3"),
         "length_drift": rp._mean(lengths[-w:]) - rp._mean(lengths[:w]),
-        "reward_fall": rp.reward_fall(rewards)["drop"] if rewards else math.nan,
+        "reward_fall": fall["drop"] if rewards else math.nan,
+        "collapse_step": float(fall["bottom"] or 0),  # where the largest fall bottomed out (0: none)
         "lag_violations": float(len(lag_violations(records, eta))),
     }
 
@@ -246,11 +256,12 @@ def summarize(runs: dict) -> dict[tuple[str, str, int, str], dict]:
         eta = key[2]
         per_run = [run_summary(records, eta, meta["steps"]) for meta, records in seeds]
         stats = {}
-        for stat in per_run[0]:
+        for stat in (k for k in per_run[0] if k != "collapse_step"):
             xs = [s[stat] for s in per_run if not math.isnan(s[stat])]
             sd = statistics.stdev(xs) if len(xs) >= 2 else math.nan
             stats[stat] = {"mean": rp._mean(xs), "sd": sd, "n": len(xs), "per_seed": [s[stat] for s in per_run]}
         stats["collapsed"] = sum(s["reward_fall"] >= COLLAPSE for s in per_run)
+        stats["collapse_steps"] = [s["collapse_step"] for s in per_run if s["reward_fall"] >= COLLAPSE]
         out[key] = stats
     return out
 
@@ -259,6 +270,7 @@ def summarize(runs: dict) -> dict[tuple[str, str, int, str], dict]:
 
 COLUMNS = (  # (header, stat, format): the table's columns after model / loss / pi_old / eta
     ("greedy val. accuracy, final", "val_final", "f3"),
+    ("greedy val. accuracy, last two", "val_late", "f3"),
     ("val. gain over the run", "val_gain", "f3"),
     ("reward, last fifth", "reward_last", "f3"),
     ("clipped sequences", "clipfrac_seq", "pct"),
@@ -281,7 +293,8 @@ def render_table(summary: dict) -> str:
     for (model, loss, eta, pi_old), st in summary.items():
         cells = [model, LOSS_LABELS[loss], pi_old if eta else "either", str(eta)]
         cells += [rp.cell(st[stat], kind) for _, stat, kind in COLUMNS]
-        cells.append(f"{st['collapsed']}/{st['val_final']['n']}")
+        at = ", ".join(f"{x:.0f}" for x in st["collapse_steps"])
+        cells.append(f"{st['collapsed']}/{st['val_final']['n']}" + (f" (step {at})" if at else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -290,23 +303,63 @@ def _cell_at(summary: dict, model: str, loss: str, eta: int, pi_old: str) -> dic
     return summary.get((model, loss, eta, "recompute" if eta == 0 else pi_old))
 
 
+TOLERANCE_STAT = "val_late"  # what "holds its accuracy" is judged on
+
+
 def tolerance(summary: dict, model: str, loss: str, pi_old: str) -> tuple[int | None, int | None]:
-    """(the largest eta whose final accuracy is not distinguishably below eta 0's, the smallest eta that is):
-    "distinguishably" = more than twice the standard error of the difference (rp.distinguishable)."""
+    """(the largest eta whose late validation accuracy is not distinguishably below eta 0's, the smallest eta whose
+    is): "distinguishably" = more than twice the standard error of the difference (rp.distinguishable). (None,
+    None) without an eta-0 cell, a staler cell, or a second seed in each (no basis for a claim)."""
     base = _cell_at(summary, model, loss, 0, pi_old)
     if base is None:
         return None, None
-    held, broke = 0, None
+    held, broke, compared = 0, None, False
     for eta in sorted({k[2] for k in summary if k[0] == model and k[1] == loss and k[2] > 0}):
         st = _cell_at(summary, model, loss, eta, pi_old)
         if st is None:
             continue
-        worse = st["val_final"]["mean"] < base["val_final"]["mean"]
-        if worse and rp.distinguishable(st["val_final"], base["val_final"]):
+        sep = rp.distinguishable(st[TOLERANCE_STAT], base[TOLERANCE_STAT])
+        if sep is None:
+            return None, None
+        compared = True
+        if sep and st[TOLERANCE_STAT]["mean"] < base[TOLERANCE_STAT]["mean"]:
             broke = eta if broke is None else broke
         elif broke is None:
             held = eta
-    return held, broke
+    return (held, broke) if compared else (None, None)
+
+
+def token_identity(runs: dict) -> str | None:
+    """GSPO-token against GSPO on the same cell and seed. With one advantage per sequence (ours: group-normalised
+    rewards) the paper (section 4.3) says the two are identical in objective, clipping and gradient; this measures
+    how identical: the same rewards at every step, and the largest relative gap in the loss and gradient norm."""
+    pairs = 0
+    same_rewards = 0
+    gap = 0.0
+    for (model, loss, eta, pi_old), seeds in runs.items():
+        if loss != "gspo_token":
+            continue
+        twins = {meta["seed"]: records for meta, records in runs.get((model, "gspo", eta, pi_old), [])}
+        for meta, records in seeds:
+            other = twins.get(meta["seed"])
+            if other is None:
+                continue
+            pairs += 1
+            a = [r for r in records if "reward/mean" in r]
+            b = [r for r in other if "reward/mean" in r]
+            same_rewards += [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
+            for x, y in zip(a, b, strict=True):
+                for key in ("actor/pg_loss", "actor/grad_norm"):
+                    if x.get(key) is not None and y.get(key) is not None:
+                        gap = max(gap, abs(x[key] - y[key]) / max(abs(y[key]), 1e-12))
+    if not pairs:
+        return None
+    return (
+        f"- GSPO-token against GSPO, {pairs} paired runs (same cell and seed): the same reward at every step in "
+        f"{same_rewards} of them; the largest relative gap in the loss or gradient norm at any step {gap:.1e}. With "
+        "one advantage per sequence the two objectives are the same function (paper, section 4.3), so GSPO-token "
+        "runs for seed 0 only (`--token-seeds`); its rows stand for GSPO's."
+    )
 
 
 def observations(summary: dict) -> list[str]:
@@ -321,7 +374,7 @@ def observations(summary: dict) -> list[str]:
                 if held is None:
                     continue
                 parts.append(
-                    f"{LOSS_LABELS[loss]} holds its eta-0 accuracy to eta {held}"
+                    f"{LOSS_LABELS[loss]} holds its eta-0 late accuracy to eta {held}"
                     + (f", falls at eta {broke}" if broke is not None else "")
                 )
             if parts:
@@ -331,11 +384,11 @@ def observations(summary: dict) -> list[str]:
                 g, r = _cell_at(summary, model, "gspo", eta, pi_old), _cell_at(summary, model, "grpo", eta, pi_old)
                 if g is None or r is None:
                     continue
-                d = g["val_final"]["mean"] - r["val_final"]["mean"]
-                sep = rp.distinguishable(g["val_final"], r["val_final"])
+                d = g[TOLERANCE_STAT]["mean"] - r[TOLERANCE_STAT]["mean"]
+                sep = rp.distinguishable(g[TOLERANCE_STAT], r[TOLERANCE_STAT])
                 verdict = "one seed, no claim" if sep is None else "distinguishable" if sep else "within noise"
                 lines.append(
-                    f"- {model}, eta {eta}, pi_old = {pi_old}: GSPO - GRPO final accuracy {d:+.3f} ({verdict}); "
+                    f"- {model}, eta {eta}, pi_old = {pi_old}: GSPO - GRPO late accuracy {d:+.3f} ({verdict}); "
                     f"clipped sequences {100 * g['clipfrac_seq']['mean']:.3g}% vs "
                     f"{100 * r['clipfrac_seq']['mean']:.3g}%."
                 )
@@ -459,9 +512,11 @@ def render_report(out: Path, runs: dict, summary: dict) -> str:
         "",
         "## What the numbers say",
         "",
-        "Computed from the table; 'distinguishable' = more than twice the standard error of the difference.",
+        "Computed from the table. 'Late accuracy': the mean of the last two greedy validations; 'distinguishable': "
+        "more than twice the standard error of the difference (no claim is made from one seed).",
         "",
         *observations(summary),
+        *filter(None, [token_identity(runs)]),
         "",
     ]
     return "\n".join(lines)
@@ -502,6 +557,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "staleness", help="report directory")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="rollout batches (steps) per run")
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds per cell: 0..N-1")
+    p.add_argument("--token-seeds", type=int, default=1, help="seeds of GSPO-token (GSPO's objective: see grid)")
     p.add_argument("--val-every", type=int, default=DEFAULT_VAL_EVERY, help="steps between greedy validations")
     p.add_argument("--models", default=",".join(MODELS), help="subset of: " + ",".join(MODELS))
     p.add_argument("--losses", default=",".join(LOSSES), help="subset of: " + ",".join(LOSSES))
@@ -515,7 +571,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.etas = sorted(set(_ints(args.etas, "--etas")))
     if not args.etas or args.etas[0] < 0:
         raise UserError(f"--etas must be integers >= 0, got {args.etas}")
-    for flag, value in (("--steps", args.steps), ("--seeds", args.seeds), ("--val-every", args.val_every)):
+    for flag, value in (("--steps", args.steps), ("--seeds", args.seeds), ("--val-every", args.val_every),
+                        ("--token-seeds", args.token_seeds)):  # fmt: skip
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     k, _, n = args.shard.partition("/")

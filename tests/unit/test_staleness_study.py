@@ -29,10 +29,13 @@ def st():
 
 
 def test_the_grid_runs_eta_zero_once_and_whole_seeds_first(st):
-    cells = st.grid(["moe", "dense"], ["gspo", "gspo_token", "grpo"], [0, 1, 2, 4], 3)
+    cells = st.grid(["moe", "dense"], ["gspo", "gspo_token", "grpo"], [0, 1, 2, 4], 3, token_seeds=3)
     assert len(cells) == 2 * 3 * (1 + 3 * 2) * 3 == 126 == len(set(cells))
     assert {c[3] for c in cells if c[2] == 0} == {"recompute"}
     assert {c[4] for c in cells[:42]} == {0} and {c[4] for c in cells[42:84]} == {1}  # seed-major
+    default = st.grid(["moe", "dense"], ["gspo", "gspo_token", "grpo"], [0, 1, 2, 4], 3)
+    assert len(default) == 2 * 7 * (2 * 3 + 1) == 98
+    assert {c[4] for c in default if c[1] == "gspo_token"} == {0}
     assert st.run_name("moe", "grpo", 4, "engine", 2) == "moe-grpo-eta4-engine-seed2"
 
 
@@ -97,7 +100,7 @@ def test_run_summary_hand_derived(st):
         rows.append(rec(k, min(k - 1, 1), reward=reward, **extra))
     rows[-1]["val/all/mean@1"] = 0.75
     s = st.run_summary(rows, eta=1, steps=4)  # window = round(4 / 5) -> 1 step; steady = steps 2..4
-    assert s["val_final"] == 0.75 and s["val_gain"] == 0.5
+    assert s["val_final"] == 0.75 and s["val_gain"] == 0.5 and s["val_late"] == 0.5  # validations 0.25, 0.75
     assert s["reward_last"] == 0.3
     assert s["clipfrac_seq"] == pytest.approx((0.5 + 0.3 + 0.1) / 3)
     assert s["clipfrac_token"] == pytest.approx((0.25 + 0.15 + 0.05) / 3)
@@ -110,7 +113,7 @@ def test_run_summary_hand_derived(st):
 
 def test_tolerance_reads_the_first_distinguishable_fall(st):
     def cell(mean, sd=0.01, n=3):
-        return {"val_final": {"mean": mean, "sd": sd, "n": n, "per_seed": [mean] * n}}
+        return {"val_late": {"mean": mean, "sd": sd, "n": n, "per_seed": [mean] * n}}
 
     summary = {
         ("moe", "gspo", 0, "recompute"): cell(0.80),
@@ -123,6 +126,9 @@ def test_tolerance_reads_the_first_distinguishable_fall(st):
     assert st.tolerance(summary, "moe", "gspo", "engine") == (1, 2)
     assert st.tolerance(summary, "moe", "gspo", "recompute") == (2, None)
     assert st.tolerance(summary, "dense", "gspo", "engine") == (None, None)
+    summary[("moe", "grpo", 0, "recompute")] = cell(0.8, n=1)
+    summary[("moe", "grpo", 1, "engine")] = cell(0.1, n=1)
+    assert st.tolerance(summary, "moe", "grpo", "engine") == (None, None)  # one seed: no claim
 
 
 @pytest.mark.parametrize(
@@ -136,6 +142,7 @@ def test_tolerance_reads_the_first_distinguishable_fall(st):
         (["--val-every", "0"], "--val-every"),
         (["--shard", "3/2"], "--shard"),
         (["--shard", "1"], "--shard"),
+        (["--token-seeds", "0"], "--token-seeds"),
     ],
 )
 def test_bad_arguments_name_the_flag(st, argv, flag):
@@ -179,7 +186,7 @@ def test_a_small_study_forces_exact_staleness_and_rebuilds_its_report(st, tmp_pa
     final_val = raw[names[1]][-1]["val/all/mean@1"]
     assert row.split("|")[5].strip() == f"{final_val:.3f}"
     kl = sum(r["behavior/kl_k3"] for r in stale) / 2
-    assert row.split("|")[14].strip() == f"{kl:.2e}"
+    assert row.split("|")[15].strip() == f"{kl:.2e}"
     for png in out.glob("*.png"):
         png.unlink()
     (out / "results.md").unlink()

@@ -733,10 +733,10 @@ def _rollout_pool(cfg: Config) -> Iterable[str]:
         yield f"config key 'rollout_pool.sync_bucket_mb' must be >= 1, got {pool.sync_bucket_mb}"
     for key, on in (("partial_rollout.round_tokens", cfg.partial_rollout.round_tokens is not None),
                     ("dynamic_sampling.enabled", cfg.dynamic_sampling.enabled)):  # fmt: skip
-        if on and pool.max_staleness > 0:  # rounds on the rollout pool, in step with the trainer: max_staleness=0
+        if on and pool.max_staleness > 1:  # rounds one step ahead (pipeline.RoundsAhead), or in step (0)
             yield (
-                f"config key '{key}' with 'rollout_pool.max_staleness={pool.max_staleness}' is not built yet (issue "
-                "#28): set rollout_pool.max_staleness=0 (the rounds run on the rollout pool between the updates)"
+                f"config key '{key}' runs with 'rollout_pool.max_staleness' 0 (rounds between the updates) or 1 "
+                f"(rounds one step ahead), got {pool.max_staleness}: set rollout_pool.max_staleness=1"
             )
 
 

@@ -61,6 +61,12 @@ class Pipeline:
     def in_flight(self) -> bool:
         return bool(self.queue)
 
+    def settle(self) -> None:
+        """Nothing to wait for: the queued batches were sent to the pool's actors before anything that follows."""
+
+    def close(self) -> None:
+        """Nothing to stop: the batches in flight belong to the pool's actors."""
+
     def submit(self, run: Any, step: int, params: SamplingParams) -> None:
         rows = list(run.sampler.next_batch())
         prompts = [run.dataset[i].prompt_ids for i in rows]
@@ -107,21 +113,92 @@ class Pipeline:
             self.queue.append(InFlight(int(item["step"]), list(item["rows"]), int(item["version"]), pending))
 
 
-def build_pipeline(cfg: Any) -> Pipeline | None:
-    """A rollout pool's pipeline; None when colocated, or when partial rollout / dynamic sampling drive the rollout
-    pool in rounds between the updates (max_staleness=0: partial_rollout.py's scheduler, the colocated order)."""
+class RoundsAhead:
+    """Partial rollout / dynamic sampling one step off (``rollout_pool.max_staleness=1`` with rounds): the
+    scheduler's rounds for step k + 1 (partial_rollout.py) run on one driver thread against the rollout pool, with
+    the weights of version k - 1, while step k trains on the trainer pool. The two threads share nothing but the
+    run's read-only settings: the rounds' thread alone draws from the sampler, moves the scheduler's groups,
+    generates and scores; the main thread alone trains. Before anything else reaches the rollout pool (a sync, a
+    validation) or the scheduler's state is saved, :meth:`settle` waits for the rounds.
+
+    Tokens generated at step k + 1's rounds are one version old when trained; a sample continued from earlier
+    rounds is up to ``max_rounds - 1`` versions older, so the bound is 1 + max_rounds - 1 = max_rounds."""
+
+    max_staleness = 1
+
+    def __init__(self) -> None:
+        self.executor: Any = None  # concurrent.futures.ThreadPoolExecutor, made on first use
+        self.future: Any = None  # the rounds in flight: their (Collected, stage seconds)
+        self.ready: tuple[Any, dict[str, float]] | None = None  # rounds waited for, or loaded from a checkpoint
+        self.step = 0  # the step they are for
+        self.version = 0  # the weights version generating them
+
+    @property
+    def in_flight(self) -> bool:
+        return self.future is not None or self.ready is not None
+
+    def submit(self, step: int, version: int, rounds: Any) -> None:
+        """``rounds()`` -> (Collected, stage seconds) on the rounds' thread."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="gspo-rounds")
+        self.future, self.step, self.version = self.executor.submit(rounds), step, version
+
+    def settle(self) -> None:
+        """Wait for the rounds in flight (their error, if any, is raised here, in the main thread)."""
+        if self.future is not None:
+            self.ready, self.future = self.future.result(), None
+
+    def take(self, step: int) -> tuple[Any, dict[str, float], int]:
+        """Step ``step``'s collected batch, its rounds' stage seconds and the version that generated it."""
+        self.settle()
+        if self.ready is None or self.step != step:
+            raise RuntimeError(f"rounds ahead: the batch in flight is for step {self.step}, not {step}")
+        (collected, spans), self.ready = self.ready, None
+        return collected, spans, self.version
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        self.settle()
+        if self.ready is None:
+            return None
+        collected, spans = self.ready
+        batch = {f.name: getattr(collected.batch, f.name) for f in dataclasses.fields(SampleBatch)}
+        kept = {"indices": collected.indices, "rewards": collected.rewards, "versions": collected.versions}
+        return {"rounds": {"batch": batch, **kept, "metrics": collected.metrics, "spans": spans},
+                "step": self.step, "version": self.version}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from .partial_rollout import Collected
+
+        r = state["rounds"]
+        collected = Collected(SampleBatch(**r["batch"]), list(r["indices"]), r["rewards"], r["versions"], r["metrics"])
+        self.ready, self.step, self.version = (collected, dict(r["spans"])), int(state["step"]), int(state["version"])
+
+
+def build_pipeline(cfg: Any) -> Pipeline | RoundsAhead | None:
+    """A rollout pool's pipeline; with partial rollout / dynamic sampling, their rounds one step ahead
+    (max_staleness=1); None when colocated, or when the rounds run on the rollout pool between the updates
+    (max_staleness=0: partial_rollout.py's scheduler in the colocated order)."""
     pool = cfg.rollout_pool
-    rounds = cfg.partial_rollout.round_tokens is not None or cfg.dynamic_sampling.enabled
-    return Pipeline(pool.max_staleness) if pool.devices_per_node > 0 and not rounds else None
+    if pool.devices_per_node == 0:
+        return None
+    if cfg.partial_rollout.round_tokens is not None or cfg.dynamic_sampling.enabled:
+        return RoundsAhead() if pool.max_staleness >= 1 else None
+    return Pipeline(pool.max_staleness)
 
 
-def save_pipeline(pipeline: Pipeline | None, directory: Path) -> None:
+def save_pipeline(pipeline: Pipeline | RoundsAhead | None, directory: Path) -> None:
     state = pipeline.state_dict() if pipeline is not None else None
     if state is not None:
         torch.save(state, directory / STATE_FILE)
 
 
-def load_pipeline(pipeline: Pipeline | None, directory: Path) -> None:
+def load_pipeline(pipeline: Pipeline | RoundsAhead | None, directory: Path) -> None:
     """A checkpoint's batch in flight. A checkpoint without one (the last step's, or a colocated run's) leaves the
     pipeline empty: its first step then generates with the loaded weights."""
     path = directory / STATE_FILE
@@ -134,4 +211,13 @@ def load_pipeline(pipeline: Pipeline | None, directory: Path) -> None:
             flush=True,
         )
         return
-    pipeline.load_state_dict(torch.load(path, weights_only=True))
+    state = torch.load(path, weights_only=True)
+    if ("rounds" in state) != isinstance(pipeline, RoundsAhead):
+        saved = "partial rollout / dynamic sampling rounds" if "rounds" in state else "rollout batches"
+        print(
+            f"{path}: this checkpoint holds {saved} in flight, which this run's settings (partial_rollout, "
+            "dynamic_sampling, rollout_pool) do not make: their prompts are skipped",
+            flush=True,
+        )
+        return
+    pipeline.load_state_dict(state)

@@ -110,7 +110,9 @@ def _stopped_message(run: Run, last: int) -> str:
 def train_step(run: Run, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, Timer()
     versions = None  # each token's weights version, with partial rollout or a rollout pool
-    if run.pipeline is not None:
+    if run.pipeline is not None and run.scheduler is not None:  # rounds one step ahead on a rollout pool
+        batch, rewards, versions, metrics = take_rounds(run, step, timer)
+    elif run.pipeline is not None:
         batch, rewards, versions, metrics = take_pipelined(run, step, timer)
     elif run.scheduler is None:
         prompts = next_prompts(run)
@@ -138,6 +140,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         with timer("sync"):
             metrics |= run.workers.sync_weights()
     elif run.pipeline.max_staleness == 0 or validation.is_due(run, step):  # the rollout pool gets these weights now
+        run.pipeline.settle()  # rounds ahead finish on the weights they started with
         with timer("sync"):
             metrics |= sync_pool(run, after_update=True)
         if run.pipeline.max_staleness == 0 and step < cfg.trainer.total_steps:
@@ -218,6 +221,46 @@ def collect(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tenso
 
     got = run.scheduler.collect(step, rollout_params(run, step), run.workers.generate_requests, score_rows, timer)
     return got.batch, got.rewards, got.versions, got.metrics
+
+
+def take_rounds(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tensor, torch.Tensor, dict]:
+    """Partial rollout / dynamic sampling one step off (pipeline.RoundsAhead): step ``step``'s rounds, run ahead
+    on the rollout pool; then the pool gets the trainer's weights and the rounds of step + 1 start on the rounds'
+    thread before this batch is trained. Their stage seconds are logged as ``time/ahead_<stage>_s`` (they overlap
+    the training of the step before)."""
+    ahead, total = run.pipeline, run.cfg.trainer.total_steps
+    with timer("wait_rollout"):
+        if not ahead.in_flight:  # the run's first step: generated now, by the current weights
+            ahead.submit(step, run.workers.rollout_version, rounds_for(run, step, run.workers.rollout_version))
+        got, spans, version = ahead.take(step)
+    metrics: dict[str, float] = {}
+    if step < total:
+        with timer("sync"):
+            metrics |= sync_pool(run, after_update=False)
+        ahead.submit(step + 1, run.workers.rollout_version, rounds_for(run, step + 1, run.workers.rollout_version))
+    oldest = int(got.versions[got.batch.response_mask.bool()].min())
+    bound = ahead.max_staleness + run.scheduler.max_rounds - 1
+    if (step - 1) - oldest > bound:
+        raise RuntimeError(f"rounds ahead: batch {step} holds tokens {(step - 1) - oldest} versions old, over {bound}")
+    metrics |= got.metrics | {f"time/ahead_{k}_s": v for k, v in spans.items()}
+    metrics["async/staleness"] = float(step - 1 - version)
+    return got.batch, got.rewards, got.versions, metrics
+
+
+def rounds_for(run: Run, step: int, version: int) -> Any:
+    """The rounds of ``step`` with the rollout pool at ``version``, as a call for the rounds' thread."""
+
+    def rounds() -> tuple[Any, dict[str, float]]:
+        timer = Timer()
+
+        def score_rows(batch: SampleBatch, rows: list[int], at_step: int) -> tuple[torch.Tensor, dict[str, float]]:
+            return score(run, batch, [run.dataset[i] for i in rows], at_step)
+
+        params = rollout_params(run, step)
+        got = run.scheduler.collect(step, params, run.workers.generate_requests, score_rows, timer, version=version)
+        return got, dict(timer.spans)
+
+    return rounds
 
 
 def take_pipelined(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tensor, torch.Tensor, dict]:
@@ -362,6 +405,8 @@ def save_checkpoint(run: Run, step: int) -> None:
     try:
         run.workers.save_checkpoint(str(tmp / "engine"))
         save_rng(tmp)
+        if run.pipeline is not None:
+            run.pipeline.settle()  # rounds ahead move the scheduler's groups and the sampler: let them finish first
         if run.scheduler is not None:  # the groups in flight, every token of them: a resume continues them
             torch.save(run.scheduler.state_dict(), tmp / STATE_FILE)
         save_pipeline(run.pipeline, tmp)  # the batch in flight, waited for (before the sampler state below)
@@ -395,6 +440,8 @@ def stop(run: Run) -> None:
             run.logger.close()
         if run.workers is not None:
             run.workers.shutdown()
+        if getattr(run, "pipeline", None) is not None:  # after the pools: rounds still in flight fail and return
+            run.pipeline.close()
     finally:
         if run.lock is not None:
             run.lock.release()  # trainer.output_dir is free for the next run (rundir.py)

@@ -129,3 +129,26 @@ def test_partial_rollout_on_a_rollout_pool_is_the_colocated_partial_run(tmp_path
     assert any(r.get("partial/continued_samples", 0) > 0 for r in split)
     want, got = final_weights(tmp_path / "colocated"), final_weights(tmp_path / "pools")
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_partial_rollout_one_step_ahead_and_a_resume_with_its_rounds_in_flight(tmp_path):
+    """max_staleness=1 with partial rollout and dynamic sampling (pipeline.RoundsAhead): step k + 1's rounds run on
+    the rollout pool, one version behind, while step k trains. Batch 1 from the initial weights, every later batch
+    at staleness 1 with continued samples up to 1 + max_rounds - 1 old, corrected; the step-2 checkpoint holds
+    step 3's rounds, and the resume from it is the uninterrupted run, bitwise."""
+    common = (*POOL, "rollout_pool.max_staleness=1", "trainer.save_freq=2", "trainer.total_steps=4")
+    common += ("partial_rollout.round_tokens=4", "partial_rollout.max_rounds=3", "dynamic_sampling.enabled=true")
+    whole, _ = _train(tmp_path / "whole", *common)
+    steps = [r for r in whole if r["step"] >= 1]
+    assert [r["async/staleness"] for r in steps] == [0, 1, 1, 1]
+    assert all(1 <= r["partial/lag_max"] <= 3 for r in steps[1:]) and steps[0]["partial/lag_max"] <= 2
+    assert any(r["partial/continued_samples"] > 0 for r in steps)
+    assert all(r["behavior/weight_mean"] != 1.0 for r in steps[1:])  # every sample of a later batch is stale
+    assert all("time/ahead_rollout_s" in r for r in steps)
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_00000002"
+    saved = torch.load(checkpoint / "pending_rollout.pt", weights_only=True)
+    assert (saved["step"], saved["version"]) == (3, 1)
+    resumed, _ = _train(tmp_path / "resumed", *common, f"trainer.resume={checkpoint}")
+    assert trajectory(resumed) == trajectory(whole)[-2:]  # steps 3 and 4, bitwise
+    want, got = final_weights(tmp_path / "whole"), final_weights(tmp_path / "resumed")
+    assert all(torch.equal(want[k], got[k]) for k in want)

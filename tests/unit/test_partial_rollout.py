@@ -331,8 +331,14 @@ def test_weight_on_the_advantage_is_the_weight_on_the_loss():
         (["algorithm.behavior_cap=3"], "algorithm.behavior_cap"),  # nothing is stale without partial rollout
         (["rollout_pool.max_staleness=0"], "rollout_pool.max_staleness"),  # no pool
         (["rollout_pool.devices_per_node=1", "rollout_pool.max_staleness=-1"], "rollout_pool.max_staleness"),
-        (["rollout_pool.devices_per_node=1", "partial_rollout.round_tokens=32"], "partial_rollout.round_tokens"),
-        (["rollout_pool.devices_per_node=1", "dynamic_sampling.enabled=true"], "dynamic_sampling.enabled"),
+        (  # rounds run one step ahead at most (pipeline.RoundsAhead)
+            ["rollout_pool.devices_per_node=1", "rollout_pool.max_staleness=2", "partial_rollout.round_tokens=32"],
+            "partial_rollout.round_tokens",
+        ),
+        (
+            ["rollout_pool.devices_per_node=1", "rollout_pool.max_staleness=2", "dynamic_sampling.enabled=true"],
+            "dynamic_sampling.enabled",
+        ),
     ],
 )
 def test_config_refuses_inert_or_unsafe_keys(overrides, key):
@@ -382,3 +388,24 @@ def test_worker_group_cuts_requests_into_one_run_per_rollout_group():
     assert len(seen[0]) == 3  # 6 of 13 samples in the first run, 7 in the second
     for name in ("response_ids", "group_index", "finished"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_rounds_one_step_ahead_stamp_the_pool_version_and_count_lags_from_the_trainer():
+    """pipeline.RoundsAhead runs step k's rounds with the rollout pool one version behind the trainer: the tokens
+    carry the pool's version (``version=``), the lags are counted from step - 1 (the version that trains them), so
+    every token is at least one version old and none more than 1 + max_rounds - 1."""
+    sampler, engine = Sampler(2), FakeEngine(stop=0.05)
+    s = scheduler(sampler, round_tokens=4, max_rounds=3)
+    stamped: set[int] = set()
+    for step in range(1, 7):
+        pool = max(step - 2, 0)  # one step off: the weights of the update before last (step 1: the initial ones)
+        params = SamplingParams(n=4, max_new_tokens=32, seed=step)
+        got = s.collect(step, params, engine, reward_fn(7, 0.0), null_timer, version=pool)
+        mask = got.batch.response_mask.bool()
+        lags = (step - 1) - got.versions[mask]
+        assert int(got.versions[mask].max()) <= pool  # nothing newer than the pool's weights
+        assert int(lags.min()) >= (1 if step > 1 else 0) and int(lags.max()) <= 1 + 3 - 1
+        stamped.update(got.versions[mask].tolist())
+        assert got.metrics["partial/lag_max"] == float(lags.max())
+        assert got.metrics["partial/lag_mean"] == pytest.approx(float(lags.float().mean()))
+    assert stamped == {0, 1, 2, 3, 4}  # steps 1-6 ran on pool versions 0, 0, 1, 2, 3, 4

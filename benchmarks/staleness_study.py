@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runnable as `python benchmarks/staleness_study.py` from anywhere
@@ -420,13 +421,22 @@ def plot_curves(path: Path, runs: dict, key: str, ylabel: str) -> None:
                 label = f"eta {eta}" + (f", {pi_old}" if eta else "")
                 ax.plot(x, mean, STYLES[pi_old], color=COLORS[loss], alpha=shades[eta], marker="o", markersize=2,
                         label=label)  # fmt: skip
-            ax.set_title(f"{model}, {LOSS_LABELS[loss]}", fontsize=10)
-            ax.set_xlabel("trained samples")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-    fig.suptitle(f"{key}: mean over seeds (solid: recompute + correction, dashed: engine, darker: staler)", fontsize=11)
+            _label(ax, f"{model}, {LOSS_LABELS[loss]}", "trained samples", ylabel)
+    title = f"{key}: mean over seeds (solid: recompute + correction, dashed: engine, darker: staler)"
+    _save(fig, path, title)
+
+
+def _label(ax: Any, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+def _save(fig: Any, path: Path, title: str) -> None:
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -447,16 +457,9 @@ def plot_vs_eta(path: Path, summary: dict, stat: str, ylabel: str, log: bool = F
                             color=COLORS[loss], capsize=3, label=f"{LOSS_LABELS[loss]}, {pi_old}")  # fmt: skip
         if log:
             ax.set_yscale("log", nonpositive="mask")
-        ax.set_title(rp.MODEL_LABELS[model], fontsize=10)
-        ax.set_xlabel("staleness eta (versions)")
         ax.set_xticks(list(ETAS))
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.suptitle(f"{ylabel} against staleness (eta 0: recompute, shared by both pi_old lines)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path)
+        _label(ax, rp.MODEL_LABELS[model], "staleness eta (versions)", ylabel)
+    _save(fig, path, f"{ylabel} against staleness (eta 0: recompute, shared by both pi_old lines)")
 
 
 FIGURES_VS_ETA = (  # (file, stat, y label, log)

@@ -4,7 +4,6 @@ end (no speed assertion: the ratio only has to be a positive finite number)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -17,19 +16,15 @@ import torch
 
 from gspo_ascend.engines.base import SampleBatch
 from gspo_ascend.errors import UserError
-from tests.conftest import REPO
+from tests.conftest import REPO, script_module
 
 SCRIPT = REPO / "benchmarks" / "e2e_vs_trl.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e_vs_trl", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path: e2e_sides and e2e_turns import by name
-    yield module
-    sys.modules.pop(spec.name, None)
+    with script_module(SCRIPT, "bench_e2e_vs_trl") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")

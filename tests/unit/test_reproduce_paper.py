@@ -5,7 +5,6 @@ from the raw metrics, followed by a --replot that must rebuild the same report."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gspo_ascend.errors import UserError
-from tests.conftest import REPO
+from tests.conftest import REPO, script_module
 
 SCRIPT = REPO / "benchmarks" / "reproduce_paper.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -23,12 +22,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def rp():
-    spec = importlib.util.spec_from_file_location("reproduce_paper", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with script_module(SCRIPT, "reproduce_paper") as module:
+        yield module
 
 
 def stat(mean: float, sd: float, n: int, per_seed=None) -> dict:

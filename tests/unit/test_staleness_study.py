@@ -5,7 +5,6 @@ from the raw metrics, then the report rebuilt from the stored files alone."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,19 +12,15 @@ import sys
 import pytest
 
 from gspo_ascend.errors import UserError
-from tests.conftest import REPO
+from tests.conftest import REPO, script_module
 
 SCRIPT = REPO / "benchmarks" / "staleness_study.py"
 
 
 @pytest.fixture(scope="module")
 def st():
-    spec = importlib.util.spec_from_file_location("staleness_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with script_module(SCRIPT, "staleness_study") as module:
+        yield module
 
 
 def test_the_grid_runs_eta_zero_once_and_whole_seeds_first(st):

@@ -3,24 +3,19 @@ two-replica toy, a partial-rollout toy, an obvious split). No timing assertions:
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, script_module
 
 SCRIPT = REPO / "benchmarks" / "step_model.py"
 
 
 @pytest.fixture(scope="module")
 def sm():
-    spec = importlib.util.spec_from_file_location("step_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    with script_module(SCRIPT, "step_model") as module:
+        yield module
 
 
 def toy(sm, **kw):

@@ -5,7 +5,6 @@ assertion)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from gspo_ascend.engines.base import SampleBatch
-from tests.conftest import REPO
+from tests.conftest import REPO, script_module
 
 SCRIPT = REPO / "benchmarks" / "train_throughput.py"
 STEPS = 2
@@ -23,12 +22,8 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_train_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with script_module(SCRIPT, "bench_train_throughput") as module:
+        yield module
 
 
 def batch_of(prompt_lengths: list[int], response_lengths: list[int], width: int = 8) -> SampleBatch:

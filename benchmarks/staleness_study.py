@@ -330,6 +330,28 @@ def tolerance(summary: dict, model: str, loss: str, pi_old: str) -> tuple[int | 
     return (held, broke) if compared else (None, None)
 
 
+def pi_old_effect(summary: dict) -> list[str]:
+    """Per (model, loss): recompute - engine in the reward over the last fifth (1,024 samples a step-window, the
+    least noisy learning measure here) and in the clipped-sequence fraction, at every eta > 0."""
+    lines = []
+    for model in sorted({k[0] for k in summary}, key=MODELS.index):
+        for loss in LOSSES:
+            parts = []
+            for eta in sorted({k[2] for k in summary if k[0] == model and k[1] == loss and k[2] > 0}):
+                rec, eng = summary.get((model, loss, eta, "recompute")), summary.get((model, loss, eta, "engine"))
+                if rec is None or eng is None:
+                    continue
+                d = rec["reward_last"]["mean"] - eng["reward_last"]["mean"]
+                sep = rp.distinguishable(rec["reward_last"], eng["reward_last"])
+                tag = "" if sep is None else " (distinguishable)" if sep else " (within noise)"
+                clip = (rec["clipfrac_seq"]["mean"], eng["clipfrac_seq"]["mean"])
+                parts.append(f"eta {eta}: {d:+.3f}{tag}, clipped {100 * clip[0]:.3g}% vs {100 * clip[1]:.3g}%")
+            if parts:
+                lines.append(f"- {model}, {LOSS_LABELS[loss]}, recompute - engine, reward over the last fifth: "
+                             + "; ".join(parts) + ".")  # fmt: skip
+    return lines
+
+
 def token_identity(runs: dict) -> str | None:
     """GSPO-token against GSPO on the same cell and seed. With one advantage per sequence (ours: group-normalised
     rewards) the paper (section 4.3) says the two are identical in objective, clipping and gradient; this measures
@@ -512,6 +534,7 @@ def render_report(out: Path, runs: dict, summary: dict) -> str:
         *(f"![{stat}]({name})" for name, stat, _, _ in FIGURES_VS_ETA),
         "![validation accuracy](val_accuracy.png)",
         "![clipped sequences](clipfrac_seq.png)",
+        "![reward](reward.png)",
         "",
         "## What the numbers say",
         "",
@@ -519,6 +542,7 @@ def render_report(out: Path, runs: dict, summary: dict) -> str:
         "more than twice the standard error of the difference (no claim is made from one seed).",
         "",
         *observations(summary),
+        *pi_old_effect(summary),
         *filter(None, [token_identity(runs)]),
         "",
     ]
@@ -532,6 +556,7 @@ def write_report(out: Path) -> Path:
         plot_vs_eta(out / name, summary, stat, ylabel, log)
     plot_curves(out / "val_accuracy.png", runs, VAL_KEY, "greedy validation accuracy")
     plot_curves(out / "clipfrac_seq.png", runs, "actor/clipfrac_seq", "clipped sequence fraction")
+    plot_curves(out / "reward.png", runs, "reward/mean", "mean reward (sampled)")
     path = out / "results.md"
     path.write_text(render_report(out, runs, summary))
     return path

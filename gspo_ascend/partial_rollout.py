@@ -363,14 +363,6 @@ def build_scheduler(cfg: Any, sampler: Any, dataset: Any) -> RolloutScheduler | 
     if p.round_tokens is None and not d.enabled:
         return None
     width = cfg.data.max_response_length
-    if p.round_tokens is not None and p.round_tokens < width and cfg.algorithm.old_logprobs == "engine":
-        print(
-            "note: partial rollout with algorithm.old_logprobs=engine: pi_old is the rollout engine's, up to "
-            f"{p.max_rounds - 1} weights versions old, so the 3e-4 / 4e-4 window clips more (actor/clipfrac_seq; "
-            "verl #7356 saw ~0.4); algorithm.old_logprobs=recompute corrects for it (docs/partial-rollout.md)",
-            file=sys.stderr,
-            flush=True,
-        )
     return RolloutScheduler(
         batch_groups=cfg.data.train_batch_size,
         n=cfg.rollout.n,

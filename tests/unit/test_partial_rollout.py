@@ -409,3 +409,23 @@ def test_rounds_one_step_ahead_stamp_the_pool_version_and_count_lags_from_the_tr
         assert got.metrics["partial/lag_max"] == float(lags.max())
         assert got.metrics["partial/lag_mean"] == pytest.approx(float(lags.float().mean()))
     assert stamped == {0, 1, 2, 3, 4}  # steps 1-6 ran on pool versions 0, 0, 1, 2, 3, 4
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["partial_rollout.round_tokens=16", "algorithm.old_logprobs=engine"], True),
+        (["rollout_pool.devices_per_node=1", "algorithm.old_logprobs=engine"], True),  # one step off by default
+        (["partial_rollout.round_tokens=16", "algorithm.old_logprobs=engine", "algorithm.loss=gspo_token"], True),
+        (["partial_rollout.round_tokens=16", "algorithm.old_logprobs=engine", "algorithm.loss=grpo"], False),
+        (["partial_rollout.round_tokens=16"], False),  # recompute: corrected
+        (["algorithm.old_logprobs=engine"], False),  # nothing stale
+        (["rollout.weights_lag=2", "algorithm.old_logprobs=engine"], False),  # the study asks for it
+    ],
+)
+def test_the_stale_pi_old_note_is_said_once_for_gspo_only(overrides, said, capsys):
+    from gspo_ascend.trainer import stale_pi_old_note
+
+    stale_pi_old_note(load_config(None, overrides))
+    err = capsys.readouterr().err
+    assert (err.count("\n") == 1 and "50-55% of sequences" in err) if said else err == ""

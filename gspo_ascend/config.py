@@ -265,7 +265,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 continue
     elif origin is Literal:
-        if value in typing.get_args(tp):
+        choices = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):  # YAML reads a bare on / off as a boolean
+            return "on" if value else "off"
+        if value in choices:
             return value
     elif origin is list:
         items = value if isinstance(value, (list, tuple)) else [value] if isinstance(value, str) else None

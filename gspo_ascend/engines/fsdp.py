@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gspo_ascend.algorithms import count_tokens_and_seqs, get_policy_loss
+from gspo_ascend.algorithms import count_tokens_and_seqs
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import packed_attention, ulysses
@@ -51,6 +51,7 @@ from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
     MinibatchRecord,
     check_update_batch,
+    engine_policy_loss,
     ensure_process_group,
     on_device,
     policy_objective,
@@ -103,7 +104,7 @@ class FSDPEngine:
         a = cfg.actor
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(a.warmup_steps))
-        self.policy_loss = get_policy_loss(cfg.algorithm.loss)  # an attribute so tests can wrap it
+        self.policy_loss = engine_policy_loss(cfg, backend)  # an attribute so tests can wrap it
         self.nan_steps_total = 0
         # actor.offload: weights (and optimizer state) live on the host between calls, so a colocated rollout
         # engine has the device memory; .to() arguments, so tests can exercise the path with a lossless dtype

@@ -88,7 +88,6 @@ import logging
 import torch
 import torch.distributed as dist
 
-from gspo_ascend.algorithms import get_policy_loss
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import megatron_bridge as mb
@@ -106,7 +105,7 @@ from gspo_ascend.engines.megatron_setup import (
     _transformer_overrides,
 )
 from gspo_ascend.engines.megatron_train import MegatronTrainStep, vocab_parallel_log_probs
-from gspo_ascend.engines.train_common import ensure_process_group, select_device
+from gspo_ascend.engines.train_common import engine_policy_loss, ensure_process_group, select_device
 from gspo_ascend.errors import UserError
 from gspo_ascend.megatron_settings import ddp_config
 
@@ -152,7 +151,7 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
         self.tconfig.finalize_model_grads_func = _finalize_grads
         self.optimizer = self._build_optimizer()
         self.layout = mb.HFLayout(self.hf_config)
-        self.policy_loss = get_policy_loss(cfg.algorithm.loss)  # an attribute so tests can wrap it
+        self.policy_loss = engine_policy_loss(cfg, backend)  # an attribute so tests can wrap it
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
         self.seq_multiple = self.tp if self.tconfig.sequence_parallel else 1
         self.optimizer_steps = 0  # the warm-up schedule's position (skipped steps do not advance it)

@@ -120,6 +120,18 @@ def select_device(backend: Backend, rank: int) -> torch.device:
     return backend.device(local_rank)
 
 
+def engine_policy_loss(cfg, backend: Backend):
+    """``algorithm.loss``'s function, compiled when ``trainer.compile`` asks for it (compile.py: never on NPU; a
+    dynamo / inductor failure runs it eagerly from then on, with one warning). The loss is what the step compiles:
+    elementwise work over every token, with a small backward; its shapes change every micro-batch (packed lengths),
+    hence ``dynamic=True``. ``auto`` is eager on every backend today (Backend.compile_by_default)."""
+    from gspo_ascend.algorithms import get_policy_loss
+    from gspo_ascend.compile import maybe_compile
+
+    loss = get_policy_loss(cfg.algorithm.loss)
+    return maybe_compile(loss, backend, cfg.trainer.compile, compile_kwargs={"dynamic": True})
+
+
 def policy_objective(policy_loss, alg, log_prob, old_log_prob, advantages, mask, counts, ref_log_prob=None):
     """The clipped policy loss of one micro-batch (globally normalised through ``counts``), plus
     ``alg.kl_coef`` x the aggregated KL to the reference policy when ``ref_log_prob`` is given."""

@@ -134,3 +134,42 @@ def test_invalid_setting_is_a_config_error():
 )
 def test_resolve_enforce_eager(cfg_value, backend, expected):
     assert resolve_enforce_eager(cfg_value, backend) is expected
+
+
+def test_trainer_compile_on_parses_although_yaml_reads_on_as_true():
+    from gspo_ascend.config import load_config
+
+    assert [load_config(None, [f"trainer.compile={v}"]).trainer.compile for v in ("on", "off", "auto")] == [
+        "on",
+        "off",
+        "auto",
+    ]
+
+
+def test_the_engines_policy_loss_follows_trainer_compile_and_compiled_equals_eager():
+    """engines/train_common.engine_policy_loss, what both train engines call: the registry's function itself unless
+    trainer.compile=on; compiled (inductor, dynamic shapes), the loss and its gradient equal eager's on two shapes."""
+    from gspo_ascend.algorithms import get_policy_loss
+    from gspo_ascend.config import load_config
+    from gspo_ascend.engines.train_common import engine_policy_loss
+
+    gspo = get_policy_loss("gspo")
+    assert engine_policy_loss(load_config(None, []), CPU) is gspo
+    assert engine_policy_loss(load_config(None, ["trainer.compile=on"]), NPU_SHIM) is gspo  # never on NPU
+    wrapped = engine_policy_loss(load_config(None, ["trainer.compile=on"]), CPU)
+    assert isinstance(wrapped, EagerFallback) and wrapped.fn is gspo and wrapped.compile_kwargs == {"dynamic": True}
+    g = torch.Generator().manual_seed(0)
+    kw = {"clip_low": 3e-4, "clip_high": 4e-4, "clip_ratio_c": None, "agg_mode": "seq-mean-token-mean"}
+    for b, t in ((4, 7), (6, 11)):
+        lp = (torch.randn(b, t, generator=g) * 0.1 - 1).requires_grad_()
+        old, adv, mask = (
+            lp.detach() + torch.randn(b, t, generator=g) * 1e-3,
+            torch.randn(b, generator=g),
+            torch.ones(b, t),
+        )
+        got, _ = wrapped(lp, old, adv, mask, **kw)
+        (grad_got,) = torch.autograd.grad(got, lp)
+        want, _ = gspo(lp, old, adv, mask, **kw)
+        (grad_want,) = torch.autograd.grad(want, lp)
+        assert not wrapped.eager  # compiled, not fallen back
+        assert torch.allclose(got, want, atol=1e-7) and torch.allclose(grad_got, grad_want, atol=1e-7)

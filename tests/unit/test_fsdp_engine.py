@@ -509,3 +509,13 @@ def test_bad_input_is_refused_with_a_named_key(model_path):
         engine.update(batch, 1.0)
     with pytest.raises(ValueError, match="advantages"):
         engine.update(batch.replace(advantages=None), 1.0)
+
+
+def test_trainer_compile_on_compiles_the_engines_policy_loss(model_path):
+    """trainer.compile did nothing before (no engine called compile.maybe_compile); now the engine's loss is the
+    compiled wrapper with trainer.compile=on and the plain function otherwise (compiled == eager: test_compile.py)."""
+    from gspo_ascend.compile import EagerFallback
+
+    assert make_engine(model_path).policy_loss is get_policy_loss("gspo")
+    on = make_engine(model_path, "trainer.compile=on").policy_loss
+    assert isinstance(on, EagerFallback) and on.fn is get_policy_loss("gspo")

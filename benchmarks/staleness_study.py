@@ -497,6 +497,8 @@ def render_report(out: Path, runs: dict, summary: dict) -> str:
     first = metas[0]
     wall = sum(m["wall_s"] for m in metas)
     loads = [m["loadavg_1m"][0] for m in metas]
+    eta0 = [r for key, seeds in runs.items() if key[2] == 0 for _, records in seeds for r in records]
+    gap = max(rp._values(eta0, "rollout/logprob_gap_mean"), default=math.nan)
     bad = {k: st["lag_violations"]["per_seed"] for k, st in summary.items() if any(st["lag_violations"]["per_seed"])}
     lines = [
         "# Staleness: GSPO against GRPO and GSPO-token, with and without the behaviour correction",
@@ -518,7 +520,8 @@ def render_report(out: Path, runs: dict, summary: dict) -> str:
         "- pi_old = `engine`: the stale behaviour policy's log-probs, no correction (the naive objective); "
         "`recompute`: pi_prox recomputed with the trained weights and the capped (2.0) length-normalised sequence "
         "weight w_i = min(exp(mean_t(log pi_prox - log mu)), 2) on the advantage. At eta 0 they coincide up to the "
-        "engines' precision gap, so eta 0 ran once. Behaviour-weight columns under `engine` are measured, not applied.",
+        f"engines' precision gap (here at most {gap:.1e} per token: `rollout/logprob_gap_mean` over the eta-0 "
+        "runs), so eta 0 ran once. Behaviour-weight columns under `engine` are measured, not applied.",
         "- Collapsed: the 3-step mean reward fell at least 0.25 below its best so far (reproduce_paper.py).",
         f"- Machine: {first['machine']['cpus']} CPU cores ({first['machine']['platform']}, torch "
         f"{first['machine']['torch']}), 1-min load average {rp._mean(loads):.1f} at the runs' starts (2 = both "

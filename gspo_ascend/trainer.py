@@ -216,11 +216,7 @@ def old_log_probs(run: Run, batch: SampleBatch) -> torch.Tensor:
 def collect(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tensor, torch.Tensor, dict[str, float]]:
     """Partial rollout / dynamic sampling: rounds until the step's B oldest groups are finished and kept
     (partial_rollout.py); scored as they finish. Returns the batch, its rewards, each token's version, metrics."""
-
-    def score_rows(batch: SampleBatch, rows: list[int], at_step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        return score(run, batch, [run.dataset[i] for i in rows], at_step)
-
-    got = run.scheduler.collect(step, rollout_params(run, step), run.workers.generate_requests, score_rows, timer)
+    got = run.scheduler.collect(step, rollout_params(run, step), run.workers.generate_requests, scorer(run), timer)
     return got.batch, got.rewards, got.versions, got.metrics
 
 
@@ -253,15 +249,20 @@ def rounds_for(run: Run, step: int, version: int) -> Any:
 
     def rounds() -> tuple[Any, dict[str, float]]:
         timer = Timer()
-
-        def score_rows(batch: SampleBatch, rows: list[int], at_step: int) -> tuple[torch.Tensor, dict[str, float]]:
-            return score(run, batch, [run.dataset[i] for i in rows], at_step)
-
         params = rollout_params(run, step)
-        got = run.scheduler.collect(step, params, run.workers.generate_requests, score_rows, timer, version=version)
+        got = run.scheduler.collect(step, params, run.workers.generate_requests, scorer(run), timer, version=version)
         return got, dict(timer.spans)
 
     return rounds
+
+
+def scorer(run: Run) -> Any:
+    """The scheduler's scoring call (partial_rollout.ScoreFn): a batch of finished groups, their dataset rows."""
+
+    def score_rows(batch: SampleBatch, rows: list[int], at_step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        return score(run, batch, [run.dataset[i] for i in rows], at_step)
+
+    return score_rows
 
 
 def take_pipelined(run: Run, step: int, timer: Timer) -> tuple[SampleBatch, torch.Tensor, torch.Tensor, dict]:

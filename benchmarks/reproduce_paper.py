@@ -315,16 +315,18 @@ def run_summary(records: list[dict], w: int) -> dict[str, float]:
 
 def summarize(results: dict[tuple[str, str], list[list[dict]]], w: int) -> dict[tuple[str, str], dict]:
     """{(model, algo): {stat: {"mean", "sd", "n", "per_seed"}}}; sd is the sample sd over seeds (nan for one)."""
-    out = {}
-    for key, runs in results.items():
-        per_run = [run_summary(records, w) for records in runs]
-        stats = {}
-        for stat in per_run[0]:
-            xs = [s[stat] for s in per_run if not math.isnan(s[stat])]
-            sd = statistics.stdev(xs) if len(xs) >= 2 else math.nan
-            stats[stat] = {"mean": _mean(xs), "sd": sd, "n": len(xs), "per_seed": [s[stat] for s in per_run]}
-        out[key] = stats
-    return out
+    return {key: over_seeds([run_summary(records, w) for records in runs]) for key, runs in results.items()}
+
+
+def over_seeds(per_run: list[dict[str, float]]) -> dict[str, dict]:
+    """{stat: {"mean", "sd", "n", "per_seed"}} of one cell's runs (one per seed); a nan value is left out of the
+    mean, sd and n, kept in per_seed."""
+    stats = {}
+    for stat in per_run[0]:
+        xs = [s[stat] for s in per_run if not math.isnan(s[stat])]
+        sd = statistics.stdev(xs) if len(xs) >= 2 else math.nan
+        stats[stat] = {"mean": _mean(xs), "sd": sd, "n": len(xs), "per_seed": [s[stat] for s in per_run]}
+    return stats
 
 
 # ----------------------------------------------------------------------------------------------- report

@@ -41,7 +41,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -145,10 +144,12 @@ def lag_violations(records: list[dict], eta: int) -> list[int]:
     return bad
 
 
-def finished(raw: Path, steps: int) -> bool:
+def finished_records(raw: Path, steps: int) -> list[dict] | None:
+    """A run's records when its raw file holds its last step's validation, else None (not run, or cut short)."""
     from gspo_ascend.metrics import read_metrics
 
-    return raw.is_file() and any(r.get("step") == steps and VAL_KEY in r for r in read_metrics(raw))
+    records = read_metrics(raw) if raw.is_file() else []
+    return records if any(r.get("step") == steps and VAL_KEY in r for r in records) else None
 
 
 def train_one(cell: tuple[str, str, int, str, int], args: argparse.Namespace) -> float:
@@ -179,7 +180,7 @@ def train_one(cell: tuple[str, str, int, str, int], args: argparse.Namespace) ->
 def train_all(args: argparse.Namespace) -> None:
     cells = grid(args.models, args.losses, args.etas, args.seeds, args.token_seeds)
     mine = [c for i, c in enumerate(cells) if i % args.shard[1] == args.shard[0] - 1]
-    todo = [c for c in mine if not finished(args.out / "raw" / f"{run_name(*c)}.jsonl", args.steps)]
+    todo = [c for c in mine if finished_records(args.out / "raw" / f"{run_name(*c)}.jsonl", args.steps) is None]
     print(f"staleness study: {len(cells)} runs in the grid, {len(mine)} in this shard, {len(todo)} to run", flush=True)
     if not todo:
         return
@@ -195,16 +196,15 @@ def train_all(args: argparse.Namespace) -> None:
 
 def load_runs(out: Path) -> dict[tuple[str, str, int, str], list[tuple[dict, list[dict]]]]:
     """{(model, loss, eta, pi_old): [(meta, records) per seed, in seed order]} from ``out/raw``."""
-    from gspo_ascend.metrics import read_metrics
-
     runs: dict[tuple[str, str, int, str], list[tuple[dict, list[dict]]]] = {}
     for meta_file in sorted((out / "raw").glob("*.meta.json")):
         meta = json.loads(meta_file.read_text())
-        raw = meta_file.with_name(meta_file.name.removesuffix(".meta.json") + ".jsonl")
-        if not finished(raw, meta["steps"]):
+        records = finished_records(meta_file.with_name(meta_file.name.removesuffix(".meta.json") + ".jsonl"),
+                                   meta["steps"])  # fmt: skip
+        if records is None:
             continue  # a run cut short (its raw file is rewritten when it runs again)
         key = (meta["model"], meta["loss"], meta["eta"], meta["pi_old"])
-        runs.setdefault(key, []).append((meta, read_metrics(raw)))
+        runs.setdefault(key, []).append((meta, records))
     if not runs:
         raise UserError(f"{out / 'raw'} holds no finished run; run benchmarks/staleness_study.py first")
     return {k: sorted(v, key=lambda mr: mr[0]["seed"]) for k, v in sorted(runs.items())}
@@ -254,13 +254,8 @@ def summarize(runs: dict) -> dict[tuple[str, str, int, str], dict]:
     at least COLLAPSE."""
     out = {}
     for key, seeds in runs.items():
-        eta = key[2]
-        per_run = [run_summary(records, eta, meta["steps"]) for meta, records in seeds]
-        stats = {}
-        for stat in (k for k in per_run[0] if k != "collapse_step"):
-            xs = [s[stat] for s in per_run if not math.isnan(s[stat])]
-            sd = statistics.stdev(xs) if len(xs) >= 2 else math.nan
-            stats[stat] = {"mean": rp._mean(xs), "sd": sd, "n": len(xs), "per_seed": [s[stat] for s in per_run]}
+        per_run = [run_summary(records, key[2], meta["steps"]) for meta, records in seeds]
+        stats = rp.over_seeds(per_run)
         stats["collapsed"] = sum(s["reward_fall"] >= COLLAPSE for s in per_run)
         stats["collapse_steps"] = [s["collapse_step"] for s in per_run if s["reward_fall"] >= COLLAPSE]
         out[key] = stats

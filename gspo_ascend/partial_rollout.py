@@ -133,14 +133,19 @@ class RolloutScheduler:
     # ------------------------------------------------------------------------------------------- a step
 
     def collect(
-        self, step: int, params: SamplingParams, generate: GenerateFn, score: ScoreFn, timer: Any, version: int = -1
+        self,
+        step: int,
+        params: SamplingParams,
+        generate: GenerateFn,
+        score: ScoreFn,
+        timer: Any,
+        version: int | None = None,
     ) -> Collected:
         """Run rounds until the B oldest groups in flight are finished and kept; take them (module docstring).
         ``params``: the step's sampling parameters (``max_new_tokens`` = R, ``seed`` = the step's seed);
         ``version``: the weights version generating these rounds (default step - 1, the trainer's: colocated; one
         step off, the rollout pool's older one). Lags are logged against step - 1, the version that trains them."""
-        version, stats = (step - 1 if version < 0 else version), _Stats()
-        stats.trained_by = step - 1
+        version, stats = (step - 1 if version is None else version), _Stats()
         free, dropped = self.capacity - len(self.groups), []
         bound_hit = False
         while True:
@@ -161,7 +166,7 @@ class RolloutScheduler:
             self._say_bound(step)
         taken, self.groups = self.groups[: self.b], self.groups[self.b :]
         collected = self._batch(taken)
-        collected.metrics = stats.metrics(collected, stats.trained_by, len(dropped), bound_hit) | self._flight_metrics()
+        collected.metrics = stats.metrics(collected, step - 1, len(dropped), bound_hit) | self._flight_metrics()
         return collected
 
     def _admit(self, allowed: int, stats: _Stats) -> None:
@@ -313,7 +318,6 @@ class _Stats:
         self.scored_groups = self.zero_var_groups = 0
         self.scores: dict[str, float] = {}
         self.scored = 0
-        self.trained_by = 0  # the weights version that trains the step's batch: lags are counted from it
 
     def add_scores(self, metrics: dict[str, float], count: int) -> None:
         """Reward metrics of several scoring calls: counts summed, means weighted by samples."""
@@ -326,10 +330,11 @@ class _Stats:
                 self.scores[k] = (self.scores[k] * self.scored + v * count) / (self.scored + count)
         self.scored += count
 
-    def metrics(self, c: Collected, version: int, dropped: int, bound_hit: bool) -> dict[str, float]:
+    def metrics(self, c: Collected, trained_by: int, dropped: int, bound_hit: bool) -> dict[str, float]:
+        """``trained_by``: the weights version that trains the batch; every lag is counted from it."""
         mask = c.batch.response_mask.bool()
-        lag = (version - c.versions)[mask].float()
-        stale_rows = ((version - c.versions) * mask.long() > 0).any(-1)
+        lag = (trained_by - c.versions)[mask].float()
+        stale_rows = ((trained_by - c.versions) * mask.long() > 0).any(-1)
         return dict(self.scores) | {
             "reward/zero_var_group_frac": self.zero_var_groups / max(self.scored_groups, 1),
             "partial/rounds": float(self.rounds),

@@ -40,12 +40,13 @@ MINIBATCHES = 4  # the GSPO paper's optimizer steps per rollout batch
 @dataclass(frozen=True)
 class Side:
     name: str
-    trainer: str  # "ours" | "trl"
+    trainer: str  # "ours" | "trl" | "verl"
     rollout: str  # "hf" | "vllm"
     old_logprobs: str = "recompute"  # ours only: algorithm.old_logprobs
     note: str = ""
     patched: bool = False  # TRL with a change of ours: reported, never the headline comparison
     partial: bool = False  # ours only: partial rollout, rounds of half the response length (partial_rollout.py)
+    onednn: bool = True  # vLLM's oneDNN linears; off = verl's shim P4 on our side too (verl_side/onednn_off)
 
 
 SIDES = {
@@ -61,10 +62,20 @@ SIDES = {
             "ours-vllm with partial rollout: rounds of max_new_tokens / 2, 2 rounds, one batch of extra groups",
             partial=True,
         ),
+        Side(
+            "ours-vllm-noonednn",
+            "ours",
+            "vllm",
+            "engine",
+            "ours-vllm with vLLM's oneDNN linears off, the handicap verl's side carries (verl_side/README.md, P4)",
+            onednn=False,
+        ),
         Side("ours-hf", "ours", "hf", "recompute", "HF generate rollout, packed fsdp, old log-probs recomputed"),
         Side("trl-hf", "trl", "hf", note="TRL GRPOTrainer, HF generate"),
         Side("trl-vllm", "trl", "vllm", note="TRL GRPOTrainer, vLLM colocate"),
         Side("trl-vllm-reload", "trl", "vllm", note="trl-vllm, weight sync by vLLM's layerwise reload", patched=True),
+        Side("verl", "verl", "vllm", "recompute", "verl 0.9.1 GSPO, its default: old log-probs recomputed, padded"),
+        Side("verl-bypass", "verl", "vllm", "engine", "verl 0.9.1 GSPO, rollout_correction.bypass_mode: vLLM's pi_old"),
     )
 }
 
@@ -187,11 +198,12 @@ def our_step_report(metrics: dict[str, float], probe: OurProbe, cfg) -> dict[str
         "recompute_probe_s": probe.probe_s,
         "engine_logprob_gap_max": probe.gap_max,
         "sync_bytes": metrics.get("sync/bytes", float("nan")),
+        "validation": {k: v for k, v in metrics.items() if k.startswith("val/all/mean@")},
     }
 
 
 def run_our_side(side: Side, cfg, channel: Channel) -> None:
-    from gspo_ascend import trainer
+    from gspo_ascend import trainer, validation
 
     os.environ.setdefault("RAY_worker_niceness", "0")  # Ray's default 15 would lose the CPU to TRL's process
     t0 = time.perf_counter()
@@ -199,11 +211,15 @@ def run_our_side(side: Side, cfg, channel: Channel) -> None:
     probe = OurProbe(trainer, probe_recompute=side.old_logprobs == "engine")
     try:
         trainer.start(run)
+        before = {}
+        if run.val_set is not None and cfg.trainer.val_before_train:  # held-out accuracy of the initial weights
+            before = {k: v for k, v in validation.validate(run, 0).items() if k.startswith("val/all/mean@")}
         channel.send("ready", setup_s=time.perf_counter() - t0)
         step = run.start_step
         while channel.wait():
             step += 1
-            channel.send("step", **our_step_report(trainer.train_step(run, step), probe, cfg))
+            report = our_step_report(trainer.train_step(run, step), probe, cfg)
+            channel.send("step", **report, **({"validation_before": before} if step == 1 else {}))
         channel.send("done", peak_rss_mib=peak_rss_mib(_ray_workers()), logs=[])
     finally:
         trainer.stop(run)
@@ -340,13 +356,18 @@ def run_trl_side(side: Side, make_trainer, channel: Channel) -> None:
 
 
 def side_worker(name: str, build) -> int:
-    """``e2e_vs_trl.py --side-worker NAME``: ``build(side)`` -> (our config, TRL trainer factory or None)."""
+    """``e2e_vs_trl.py --side-worker NAME``: ``build(side)`` -> (our config, TRL trainer factory or None); for a
+    verl side (its VerlSpec, the work directory)."""
     channel = Channel()
     try:
         side = SIDES[name]
         cfg, make_trainer = build(side)
         if side.trainer == "ours":
             run_our_side(side, cfg, channel)
+        elif side.trainer == "verl":  # cfg is the verl side's VerlSpec (verl_side/side.py)
+            from verl_side.side import run_verl_side
+
+            run_verl_side(side, cfg, channel, make_trainer)
         else:
             run_trl_side(side, make_trainer, channel)
     except BaseException as exc:  # the orchestrator reports it and carries on with the other sides

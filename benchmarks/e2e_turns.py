@@ -161,6 +161,9 @@ def summarise(side: SideProcess, samples: int) -> SideResult:
             r.extra["recompute_probe_s"] = statistics.fmean(probes)
             r.extra["engine_logprob_gap_max"] = max(m["engine_logprob_gap_max"] for m in steps[1:])
         r.extra["response_length_max"] = max((m["response_length_max"] for m in steps), default=math.nan)
+        if steps and steps[0].get("validation_before") and steps[-1].get("validation"):  # greedy, held-out prompts
+            r.extra["heldout_before"] = next(iter(steps[0]["validation_before"].values()))
+            r.extra["heldout_after"] = next(iter(steps[-1]["validation"].values()))
     measured = steps[1:]
     keys = sorted({k for m in measured for k in m["stages"]})
     r.stages_s = {k: statistics.fmean(m["stages"].get(k, 0.0) for m in measured) for k in keys} if measured else {}

@@ -82,6 +82,7 @@ for _path in (REPO, REPO / "benchmarks"):  # runnable as `python benchmarks/e2e_
 
 from e2e_sides import MINIBATCHES, SIDES, Side, side_worker  # noqa: E402
 from e2e_turns import SideResult, run_sides  # noqa: E402
+from verl_side.side import VERL_NOT_MATCHED, verl_ratios  # noqa: E402
 
 from gspo_ascend.errors import UserError  # noqa: E402
 
@@ -198,6 +199,14 @@ def our_config(args: argparse.Namespace, output_dir: str, side: Side | None = No
         "trainer.loggers": ["jsonl"],
         "trainer.seed": 0,
     }
+    if any(SIDES[s].trainer == "verl" for s in args.sides):  # held-out accuracy before and after, as verl's side
+        from gspo_ascend.runtime import embedded_data_dir
+
+        overrides |= {
+            "data.val_files": [str(embedded_data_dir() / "test.parquet")],
+            "trainer.test_freq": args.steps,
+            "trainer.val_before_train": True,
+        }
     if side.partial:  # the steady state from the second step: one round of at most half the length per step
         overrides["partial_rollout.round_tokens"] = max(1, args.max_new_tokens // 2)
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + list(args.set))
@@ -371,6 +380,8 @@ def side_setup(args: argparse.Namespace):
     work = Path(args.work_dir)
 
     def build(side: Side):
+        if side.trainer == "verl":
+            return verl_spec(args, model, data), work
         cfg = our_config(args, str(work / side.name), side, model, data)
         if side.trainer == "ours":
             return cfg, None
@@ -385,9 +396,20 @@ def side_setup(args: argparse.Namespace):
     return build
 
 
+def verl_spec(args: argparse.Namespace, model: str, data: list[str]):
+    """The shape of our config for the verl side (benchmarks/verl_side/side.py)."""
+    from verl_side.side import VerlSpec
+
+    from gspo_ascend.runtime import embedded_data_dir
+
+    val = (str(embedded_data_dir() / "test.parquet"),)
+    return VerlSpec(model, tuple(data), val, args.batch, args.n, args.max_new_tokens, args.lr, args.steps, MINIBATCHES)
+
+
 def side_env(side: Side, cfg, model: str) -> dict[str, str]:
     # the checkout after what the caller put on the path (the GPU proof's site of carried packages), not instead
-    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))
+    onednn_off = None if side.onednn else str(REPO / "benchmarks" / "verl_side" / "onednn_off")
+    path = os.pathsep.join(filter(None, [onednn_off, os.environ.get("PYTHONPATH"), str(REPO)]))
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
     if side.rollout == "vllm":
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # see the module docstring
@@ -441,6 +463,8 @@ def table_rows(results: list[SideResult], trl_best: SideResult | None) -> list[t
         ("response tokens, mean", _cells(results, lambda r: statistics.fmean(r.response_length_mean), "{:.1f}")),
         ("prompt tokens, mean", _cells(results, lambda r: r.prompt_length_mean, "{:.1f}")),
         ("reward mean", _cells(results, lambda r: statistics.fmean(r.reward_mean))),
+        ("held-out accuracy, before", _cells(results, lambda r: r.extra["heldout_before"])),
+        ("held-out accuracy, after", _cells(results, lambda r: r.extra["heldout_after"])),
         ("steps run (measured)", [f"{r.steps} ({max(r.steps - 1, 0)})" for r in results]),
     ]
     return rows
@@ -477,11 +501,15 @@ def report(results: list[SideResult], args: argparse.Namespace, filtered: int, l
     saved = engine_saving(results)
     if saved:
         print(saved["line"])
+    verl = verl_ratios(results, SIDES)
+    for line in verl["lines"]:
+        print(line)
     verdict = "met" if ratio <= 0.5 else "not met" if math.isfinite(ratio) else "no unmodified TRL side ran"
     sides = f"{ours.name if ours else '-'} / {trl.name if trl else '-'}"
     print(f"{RATIO_LINE}: {ratio:.4f} ({sides}; goal <= 0.5: {verdict})")
     print("not matched between the sides:")
-    for line in NOT_MATCHED:
+    verl_lines = VERL_NOT_MATCHED if any(SIDES[r.name].trainer == "verl" for r in results) else ()
+    for line in (*NOT_MATCHED, *verl_lines):
         print("  - " + line.format(filtered=filtered))
     return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -491,8 +519,9 @@ def report(results: list[SideResult], args: argparse.Namespace, filtered: int, l
         "step_time_ratio": ratio,
         "paired_step_time_ratio": paired,
         "old_logprobs_engine_saving": saved,
+        "verl": verl,
         "load_average": list(load),
-        "not_matched": [line.format(filtered=filtered) for line in NOT_MATCHED],
+        "not_matched": [line.format(filtered=filtered) for line in (*NOT_MATCHED, *verl_lines)],
     }
 
 

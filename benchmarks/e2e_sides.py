@@ -181,7 +181,8 @@ class OurProbe:
 
 def our_step_report(metrics: dict[str, float], probe: OurProbe, cfg) -> dict[str, Any]:
     step_s = metrics["time/step_s"] - probe.probe_s  # the probe is not part of the step
-    stages = {k[5:-2]: v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s"}
+    outside = ("time/step_s", "time/validation_s")  # the step's total, and held-out validation after its timer
+    stages = {k[5:-2]: v for k, v in metrics.items() if k.startswith("time/") and k not in outside}
     stages["old_log_prob"] -= probe.probe_s
     stages["generate"] = stages.pop("rollout")
     processed, real = padding_of_update(probe.batch, cfg)

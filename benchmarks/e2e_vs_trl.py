@@ -14,8 +14,12 @@ Shapes (``--shape``; ``--model``, ``--max-new-tokens``, ``--steps`` and ``--side
 Sides (benchmarks/e2e_sides.py): ``ours-vllm`` (vLLM rollout, packed fsdp with per-sequence attention, old
 log-probs from vLLM: ``algorithm.old_logprobs=engine``), ``ours-vllm-recompute``, ``ours-hf`` (HF generate
 rollout, old log-probs recomputed), ``trl-hf`` (GRPOTrainer, HF generate) and ``trl-vllm`` (GRPOTrainer,
-``use_vllm=True, vllm_mode="colocate"``). Every side is a process of its own; by default they take turns, one
-rollout batch each, so on a shared machine all sides see the same background load.
+``use_vllm=True, vllm_mode="colocate"``), ``ours-vllm-noonednn`` (ours-vllm with vLLM's oneDNN linears off, the
+handicap verl's side carries), and verl 0.9.1's own trainer: ``verl`` (its default, old log-probs recomputed) and
+``verl-bypass`` (vLLM's log-probs as pi_old), from a venv of their own (benchmarks/verl_side/README.md). Every side
+is a process of its own; by default they take turns, one rollout batch each, so on a shared machine all sides see
+the same background load. With a verl side, every side of ours also reports greedy held-out accuracy on the 39 test
+prompts before the first and after the last step (outside the step times), as verl's does.
 
 All sides use the synthetic arithmetic prompts (the parquet of ``resolve_train_files``, loaded and chat-templated by
 our loader), the same reward: our math-verify scorer (:func:`gspo_ascend.rewards.compute_rewards`) wrapped as a TRL
@@ -82,7 +86,7 @@ for _path in (REPO, REPO / "benchmarks"):  # runnable as `python benchmarks/e2e_
 
 from e2e_sides import MINIBATCHES, SIDES, Side, side_worker  # noqa: E402
 from e2e_turns import SideResult, run_sides  # noqa: E402
-from verl_side.side import VERL_NOT_MATCHED, verl_ratios  # noqa: E402
+from verl_side.side import HELDOUT_N, VERL_NOT_MATCHED, verl_ratios  # noqa: E402
 
 from gspo_ascend.errors import UserError  # noqa: E402
 
@@ -206,6 +210,8 @@ def our_config(args: argparse.Namespace, output_dir: str, side: Side | None = No
             "data.val_files": [str(embedded_data_dir() / "test.parquet")],
             "trainer.test_freq": args.steps,
             "trainer.val_before_train": True,
+            "validation.greedy": False,  # sampled as in training, n per prompt as verl's side (verl_side/side.py)
+            "validation.n": HELDOUT_N,
         }
     if side.partial:  # the steady state from the second step: one round of at most half the length per step
         overrides["partial_rollout.round_tokens"] = max(1, args.max_new_tokens // 2)

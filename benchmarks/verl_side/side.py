@@ -29,6 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DEFAULT_VENV = REPO / ".venv-verl"
+HELDOUT_N = 4  # samples per held-out prompt (mean@4), both sides
 MODEL_PROCESSES = ("WorkerDict", "EngineCore", "vLLMHttpServer", "VLLM")  # what holds weights, optimizer, KV cache
 
 
@@ -106,8 +107,11 @@ def verl_overrides(spec: VerlSpec, bypass: bool, work: Path) -> list[str]:
         f"{r}.free_cache_engine=False",  # vLLM's CPU build has no sleep mode
         f"+{r}.enable_sleep_mode=False",
         f"{r}.log_prob_micro_batch_size_per_gpu={samples // spec.minibatches}",
-        f"{r}.val_kwargs.do_sample=False",  # greedy held-out accuracy, as ours
-        f"{r}.val_kwargs.n=1",
+        f"{r}.val_kwargs.do_sample=True",  # held-out accuracy sampled as in training, as ours (greedy decoding of
+        f"{r}.val_kwargs.n={HELDOUT_N}",  # the small model never reaches a boxed answer: 0.0 on both sides)
+        f"{r}.val_kwargs.temperature=1.0",
+        f"{r}.val_kwargs.top_p=1.0",
+        f"{r}.val_kwargs.top_k=-1",
         f"{r}.agent.num_workers=1",  # verl's defaults start 8 agent-loop and 8 reward workers (~1 GB each): on 2
         "reward.num_workers=1",  # cores they only add processes; ours scores with one worker too
         "data.dataloader_num_workers=0",
@@ -185,8 +189,13 @@ def step_report(m: dict[str, Any], minibatches: int) -> dict[str, Any]:
         "response_length_mean": m["response_length/mean"],
         "response_length_max": m["response_length/max"],
         "prompt_length_mean": m["prompt_length/mean"],
-        "validation": {k: v for k, v in m.items() if k.startswith("val-core/")},
+        "validation": heldout(m),
     }
+
+
+def heldout(metrics: dict[str, Any]) -> dict[str, float]:
+    """verl's held-out accuracy, mean over the samples of each prompt (``val-core/<source>/acc/mean@N``)."""
+    return {k: v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k}
 
 
 def _model_pids(root: int) -> list[int]:
@@ -228,7 +237,7 @@ def run_verl_side(side, spec: VerlSpec, channel, work: Path) -> None:
             (turns / f"go-{step}").touch()
             report = step_report(_wait_file(turns / f"step-{step}.json", proc, log), spec.minibatches)
             if step == 1:
-                report["validation_before"] = {k: v for k, v in before.items() if k.startswith("val-core/")}
+                report["validation_before"] = heldout(before)
             channel.send("step", **report)
         peak = peak_rss_mib(_model_pids(proc.pid))
         (turns / "stop").touch()

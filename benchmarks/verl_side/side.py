@@ -30,7 +30,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DEFAULT_VENV = REPO / ".venv-verl"
 HELDOUT_N = 4  # samples per held-out prompt (mean@4), both sides
-MODEL_PROCESSES = ("WorkerDict", "EngineCore", "vLLMHttpServer", "VLLM")  # what holds weights, optimizer, KV cache
+# verl's Ray actors that hold the weights, the optimizer and the KV cache (vLLM's engine core is the server's child)
+MODEL_ACTORS = ("ray::WorkerDict", "ray::vLLMHttpServer")
 
 
 @dataclass(frozen=True)
@@ -198,26 +199,9 @@ def heldout(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k}
 
 
-def _model_pids(root: int) -> list[int]:
-    import psutil
-
-    try:
-        procs = psutil.Process(root).children(recursive=True)
-    except psutil.Error:
-        return []
-    pids = []
-    for p in procs:
-        try:
-            if any(name in " ".join(p.cmdline()) for name in MODEL_PROCESSES):
-                pids.append(p.pid)
-        except psutil.Error:
-            continue
-    return pids
-
-
 def run_verl_side(side, spec: VerlSpec, channel, work: Path) -> None:
     """The side's life: start verl, ``ready`` when its trainer waits before step 1, one step per ``go``."""
-    from e2e_sides import peak_rss_mib
+    from e2e_sides import peak_rss_mib, ray_workers
 
     t0 = time.perf_counter()
     turns, log = work / f"{side.name}-turns", work / f"{side.name}-verl.log"
@@ -239,7 +223,7 @@ def run_verl_side(side, spec: VerlSpec, channel, work: Path) -> None:
             if step == 1:
                 report["validation_before"] = heldout(before)
             channel.send("step", **report)
-        peak = peak_rss_mib(_model_pids(proc.pid))
+        peak = peak_rss_mib(ray_workers(MODEL_ACTORS))
         (turns / "stop").touch()
         proc.wait(timeout=300)
         channel.send("done", peak_rss_mib=peak, logs=[])
@@ -251,17 +235,15 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     """verl's driver and every process it started (its own Ray cluster: ``ray stop`` would take the other sides'
     clusters down too)."""
     import psutil
+    from e2e_sides import _descendants
 
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        children = []
+    children = _descendants(proc.pid)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    for child in children:
+    for pid in children:
         try:
-            child.kill()
+            psutil.Process(pid).kill()
         except psutil.Error:
             continue
 

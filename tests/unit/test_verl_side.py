@@ -7,6 +7,7 @@ trainer on the tiny model, in turns with ours."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import re
@@ -99,23 +100,16 @@ def _stand_in_verl(monkeypatch):
         def log(self, data, step, backend=None):
             logged.append(("log", step))
 
-    class Offsets:
+    class Nested:  # what TransferQueue hands back: a nested tensor, read through its offsets
         def __init__(self, lengths):
             self.lengths = lengths
 
         def offsets(self):
             import torch
 
-            return torch.tensor([0, *lengths_cumsum(self.lengths)])
+            return torch.tensor([0, *itertools.accumulate(self.lengths)])
 
-    def lengths_cumsum(lengths):
-        total, out = 0, []
-        for n in lengths:
-            total += n
-            out.append(total)
-        return out
-
-    tq = SimpleNamespace(kv_batch_get=lambda **k: {"prompts": Offsets([3, 4]), "responses": Offsets([10, 1])})
+    tq = SimpleNamespace(kv_batch_get=lambda **k: {"prompts": Nested([3, 4]), "responses": Nested([10, 1])})
     trainer_base = types.ModuleType("verl.trainer.ppo.v1.trainer_base")
     trainer_base.PPOTrainer, trainer_base.tq = PPOTrainer, tq
     tracking = types.ModuleType("verl.utils.tracking")

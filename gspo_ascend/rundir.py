@@ -14,7 +14,8 @@ one line.
 - **Disk full.** :func:`no_space` finds ENOSPC / EDQUOT in an exception: its chain, the text Ray forwards from a
   worker, or, where the writer's own message says nothing of the kind (``torch.save``: "unexpected pos 704 vs
   598"), a 1 MiB write probe into the directory that was being written, made before the partial files are
-  removed.
+  removed. The probe runs only for what a failed write raises (an OSError, a plain RuntimeError), so a bug in the
+  save path is not reported as a full disk on a nearly full one.
 
 How we differ from verl: verl's only lock is a per-host ``FileLock`` in /tmp around the ``mkdir`` of one
 checkpoint directory (``BaseCheckpointManager.local_mkdir``); nothing keeps two runs out of one
@@ -299,23 +300,36 @@ def no_space(exc: BaseException, probe_dir: str | os.PathLike | None = None) -> 
     """The reason ("No space left on device", "Disk quota exceeded") when ``exc`` comes from a full disk, else None.
 
     Looked for in the exception chain (OSError errno, Ray's ``cause``, the text of a worker's traceback), then,
-    with ``probe_dir``, by writing 1 MiB there."""
-    seen: set[int] = set()
+    with ``probe_dir`` and where the chain holds what a failed write raises, by writing 1 MiB there."""
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return _NO_SPACE[e.errno]
+        found = next((reason for reason in _NO_SPACE.values() if reason in str(e)), None)
+        if found:
+            return found
+    # Only a failed write is probed for: an AttributeError raised while saving is a bug, and a nearly full disk
+    # must not be blamed for it. Writers fail with an OSError, or with a plain RuntimeError (torch.save's zip
+    # writer: "unexpected pos ...", "PytorchStreamWriter failed writing file"); subclasses such as
+    # NotImplementedError or RecursionError are not writes. A Ctrl-C or a second SIGTERM is not one either.
+    could_be_a_write = any(isinstance(e, OSError) or type(e) is RuntimeError for e in chain)
+    if probe_dir is None or not isinstance(exc, Exception) or not could_be_a_write:
+        return None
+    return _probe(Path(probe_dir))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception behind it: ``__cause__``, ``__context__`` and Ray's ``cause`` (a RayTaskError
+    keeps the worker's own exception there)."""
+    seen: dict[int, BaseException] = {}
     stack: list[BaseException | None] = [exc]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
             continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _NO_SPACE:
-            return _NO_SPACE[e.errno]
-        text = str(e)
-        found = next((reason for reason in _NO_SPACE.values() if reason in text), None)
-        if found:
-            return found
+        seen[id(e)] = e
         stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-    # a Ctrl-C or a second SIGTERM is not a write failure: no probe then
-    return _probe(Path(probe_dir)) if probe_dir is not None and isinstance(exc, Exception) else None
+    return list(seen.values())
 
 
 def _probe(directory: Path) -> str | None:

@@ -253,6 +253,54 @@ def test_disk_full_during_a_checkpoint_save_says_no_space_left_and_where(tmp_pat
     assert f"the last checkpoint {mount}/run/checkpoints/step_00000001 is intact" in lines[0]
 
 
+# A full 1 MiB filesystem: what the save path raises decides whether the disk is blamed.
+BLAME_ON_FULL_DISK = """
+import sys
+from pathlib import Path
+from gspo_ascend import rundir
+
+full = Path(sys.argv[1])
+try:
+    with open(full / "filler", "wb") as f:
+        while True:
+            f.write(b"\\0" * 4096)
+            f.flush()
+except OSError:
+    pass
+cases = {
+    "bug": AttributeError("'SimpleNamespace' object has no attribute 'pipeline'"),
+    "not-a-write": NotImplementedError("no save_hf for this engine"),
+    "torch.save": RuntimeError("unexpected pos 704 vs 598"),
+    "os": OSError("write failed"),
+}
+for name, exc in cases.items():
+    print(name, rundir.no_space(exc, full))
+"""
+
+
+@needs_tmpfs
+def test_a_bug_in_the_save_path_is_not_blamed_on_a_full_disk(tmp_path):
+    """On a full disk, only what a failed write raises is probed for and reported as no space; an AttributeError
+    from the save path is the bug it is (old main said "No space left on device" for every exception there)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    script = f'mount -t tmpfs -o size=1m tmpfs {mount} && exec "$@"'
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
+        + [sys.executable, "-c", textwrap.dedent(BLAME_ON_FULL_DISK), str(mount)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.stdout.splitlines() == [
+        "bug None",
+        "not-a-write None",
+        "torch.save No space left on device",
+        "os No space left on device",
+    ], proc.stdout + proc.stderr
+
+
 @needs_tmpfs
 def test_a_read_only_output_dir_is_refused_in_one_line(tmp_path):
     mount = tmp_path / "ro"

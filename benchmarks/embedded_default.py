@@ -1,8 +1,8 @@
 """The embedded CPU default (`gspo-ascend train`, configs/tiny_gspo.yaml) over three seeds, as is and with partial
 rollout or dynamic sampling: what its held-out greedy accuracy does, and what each option saves or costs.
 
-    .venv/bin/python benchmarks/embedded_default.py                 # 4 variants x 3 seeds, 3-6 min a run on 2 cores
-    .venv/bin/python benchmarks/embedded_default.py --report-only   # the report again from the raw files
+    .venv/bin/python benchmarks/embedded_default.py                # 5 variants x 3 seeds, 40-90 s a run (quiet 2 cores)
+    .venv/bin/python benchmarks/embedded_default.py --report-only  # the report again from the raw files
 
 Every run is the README's command with ``trainer.seed=K`` (the prompt order and every sampling seed) and the
 variant's keys; nothing else changes, so every variant trains on the same samples per step (16 prompts x 8). The
@@ -14,6 +14,8 @@ samples). Variants:
     partial   partial_rollout.round_tokens=16 (half of data.max_response_length), 2 rounds, one batch of extra
               groups, pi_old recomputed with the behaviour correction (decoupled)
     partial-engine  the same rounds, pi_old = the rollout engine's log-probs (mixed versions, no correction)
+    engine    synchronous, pi_old = the rollout engine's log-probs: partial-engine without the rounds, which
+              separates what mixed versions cost from what the engine's log-probs cost
 
 Output: ``docs/results/raw/embedded-<variant>-seed<K>.jsonl`` (each run's metrics.jsonl, unmodified) and
 ``docs/results/embedded-default.md`` (computed from them). A run whose raw file already holds its last step is
@@ -39,6 +41,7 @@ VARIANTS = {
     "partial": (["partial_rollout.round_tokens=16"], 30),
     "dynamic": (["dynamic_sampling.enabled=true"], 30),
     "partial-engine": (["partial_rollout.round_tokens=16", "algorithm.old_logprobs=engine"], 30),
+    "engine": (["algorithm.old_logprobs=engine"], 30),
 }
 REPORT = REPO / "docs" / "results" / "embedded-default.md"
 RAW = REPO / "docs" / "results" / "raw"
@@ -100,17 +103,19 @@ def summary(rows: list[dict]) -> dict[str, float]:
         "val_peak": max(val.values()),
         "reward_21_30": statistics.mean(r["reward/mean"] for r in steps[-10:]),
         "zero_var": statistics.mean(r["reward/zero_var_group_frac"] for r in steps),
+        "clipfrac_seq": statistics.mean(r["actor/clipfrac_seq"] for r in steps),
         "groups_generated": sum(admitted),
         "rollout_s": sum(r["time/rollout_s"] for r in steps),
     }
 
 
-COLUMNS = (  # the first seven over steps 1-30 (every variant), the last three to the run's end
+COLUMNS = (  # the first eight over steps 1-30 (every variant), the last three to the run's end
     ("val0", "val. acc. step 0"),
     ("val30", "step 30"),
     ("val_20_30", "mean of steps 20-30"),
     ("reward_21_30", "reward, steps 21-30"),
     ("zero_var", "zero-variance groups, steps 1-30"),
+    ("clipfrac_seq", "sequences clipped, steps 1-30"),
     ("groups_generated", "groups generated, steps 1-30"),
     ("rollout_s", "rollout s, steps 1-30"),
     ("val_last", "val. acc. at the last step"),

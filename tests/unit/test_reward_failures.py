@@ -261,10 +261,11 @@ def test_reward_workers_and_resource_tracker_die_with_the_driver(tmp_path, made_
 
 
 INTERRUPTED = """
-import time
+import faulthandler, signal, time
 from gspo_ascend.rewards import compute_rewards
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1)  # where it hangs, if it does: the test asks for every thread's stack
     compute_rewards(["\\\\boxed{1}"], ["1"], num_workers=1)  # workers up
     print("READY", flush=True)
     compute_rewards(["a"], ["a"], reward_fn=__import__("sys").argv[1], num_workers=1, timeout_s=600)
@@ -294,6 +295,20 @@ def test_ctrl_c_stops_a_driver_waiting_on_a_stuck_scorer_without_worker_tracebac
         time.sleep(1.0)  # the sample is in the scorer
         os.killpg(driver.pid, signal.SIGINT)
         _, err = driver.communicate(timeout=120)
+    except subprocess.TimeoutExpired as timeout:
+        # Seen once in a full suite run (2026-11-27), not reproduced alone or under load: say whether the driver
+        # hung (with its threads' stacks) or exited while a process of its group held its pipes (with that group).
+        alive = driver.poll() is None
+        group = subprocess.run(["ps", "-o", "pid,ppid,stat,args", "-g", str(driver.pid)], capture_output=True)
+        if alive:
+            driver.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+        os.killpg(driver.pid, signal.SIGKILL)
+        out, err = driver.communicate()
+        state = "still running" if alive else f"exited ({driver.returncode}); its pipes stayed open"
+        raise AssertionError(
+            f"no EOF within 120 s of Ctrl-C; the driver {state}\n{group.stdout.decode()}\n{out}\n{err}"
+        ) from timeout
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)

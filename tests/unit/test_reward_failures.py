@@ -266,6 +266,10 @@ from gspo_ascend.rewards import compute_rewards
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1)  # where it hangs, if it does: the test asks for every thread's stack
+    # Ctrl-C as a terminal's foreground job gets it. A process started with SIGINT ignored (pytest run under nohup
+    # or as a shell's background job: the shell ignores SIGINT for those, and children inherit it) has no
+    # KeyboardInterrupt at all, and this driver then waited out the stuck scorer.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     compute_rewards(["\\\\boxed{1}"], ["1"], num_workers=1)  # workers up
     print("READY", flush=True)
     compute_rewards(["a"], ["a"], reward_fn=__import__("sys").argv[1], num_workers=1, timeout_s=600)
@@ -296,8 +300,8 @@ def test_ctrl_c_stops_a_driver_waiting_on_a_stuck_scorer_without_worker_tracebac
         os.killpg(driver.pid, signal.SIGINT)
         _, err = driver.communicate(timeout=120)
     except subprocess.TimeoutExpired as timeout:
-        # Seen once in a full suite run (2026-11-27), not reproduced alone or under load: say whether the driver
-        # hung (with its threads' stacks) or exited while a process of its group held its pipes (with that group).
+        # Say whether the driver hung (with its threads' stacks) or exited while a process of its group held its
+        # pipes (with that group).
         alive = driver.poll() is None
         group = subprocess.run(["ps", "-o", "pid,ppid,stat,args", "-g", str(driver.pid)], capture_output=True)
         if alive:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -196,6 +197,22 @@ needs_tmpfs = pytest.mark.skipif(
     not _unshare_works(), reason="needs unprivileged user + mount namespaces (unshare -rm) to mount a small tmpfs"
 )
 
+
+def in_small_tmpfs(mount: Path, code: str, arg: str, options: str = "size=1m") -> subprocess.CompletedProcess:
+    """``python -c code arg`` with a fresh 1 MiB tmpfs (``options``) mounted at ``mount``, in its own user and mount
+    namespace."""
+    mount.mkdir()
+    script = f'mount -t tmpfs -o {options} tmpfs {mount} && exec "$@"'
+    return subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
+        + [sys.executable, "-c", textwrap.dedent(code), arg],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+
+
 # A checkpoint save on a 1 MiB filesystem: step 1 fits, step 2 (a 2 MiB tensor) does not. torch.save reports it
 # as its own zip-writer error, without errno or "No space left".
 SAVE_ON_FULL_DISK = """
@@ -235,16 +252,7 @@ def test_disk_full_during_a_checkpoint_save_says_no_space_left_and_where(tmp_pat
     """Defect 6: a real ENOSPC under torch.save ("unexpected pos ...") becomes one line naming the reason, the
     directory, and the intact previous checkpoint; the partial save is removed."""
     mount = tmp_path / "small"
-    mount.mkdir()
-    script = f'mount -t tmpfs -o size=1m tmpfs {mount} && exec "$@"'
-    proc = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
-        + [sys.executable, "-c", textwrap.dedent(SAVE_ON_FULL_DISK), str(mount / "run")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
+    proc = in_small_tmpfs(mount, SAVE_ON_FULL_DISK, str(mount / "run"))
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines[-1] == "LEFT ['step_00000001']", proc.stdout + proc.stderr
     assert lines[0].startswith(
@@ -283,16 +291,7 @@ def test_a_bug_in_the_save_path_is_not_blamed_on_a_full_disk(tmp_path):
     """On a full disk, only what a failed write raises is probed for and reported as no space; an AttributeError
     from the save path is the bug it is (old main said "No space left on device" for every exception there)."""
     mount = tmp_path / "full"
-    mount.mkdir()
-    script = f'mount -t tmpfs -o size=1m tmpfs {mount} && exec "$@"'
-    proc = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
-        + [sys.executable, "-c", textwrap.dedent(BLAME_ON_FULL_DISK), str(mount)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    proc = in_small_tmpfs(mount, BLAME_ON_FULL_DISK, str(mount))
     assert proc.stdout.splitlines() == [
         "bug None",
         "not-a-write None",
@@ -304,17 +303,8 @@ def test_a_bug_in_the_save_path_is_not_blamed_on_a_full_disk(tmp_path):
 @needs_tmpfs
 def test_a_read_only_output_dir_is_refused_in_one_line(tmp_path):
     mount = tmp_path / "ro"
-    mount.mkdir()
-    script = f'mount -t tmpfs -o ro,size=1m tmpfs {mount} && exec "$@"'
     code = "from gspo_ascend import rundir; print(rundir.writable_problem(__import__('sys').argv[1]))"
-    proc = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
-        + [sys.executable, "-c", code, str(mount / "run")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    proc = in_small_tmpfs(mount, code, str(mount / "run"), options="ro,size=1m")
     assert (
         proc.stdout.strip() == f"{mount} (the nearest existing directory of {mount}/run) is on a read-only filesystem"
     )

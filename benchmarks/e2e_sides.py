@@ -114,7 +114,7 @@ def peak_rss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     import psutil
 
     try:
@@ -129,10 +129,10 @@ def ray_workers(prefix: str | tuple[str, ...] = "ray::PolicyWorker") -> list[int
     import psutil
 
     pids = []
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         try:
             if " ".join(psutil.Process(pid).cmdline()).startswith(prefix):
-                pids += [pid, *_descendants(pid)]
+                pids += [pid, *descendants(pid)]
         except psutil.Error:
             continue
     return sorted(set(pids))

@@ -235,9 +235,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     """verl's driver and every process it started (its own Ray cluster: ``ray stop`` would take the other sides'
     clusters down too)."""
     import psutil
-    from e2e_sides import _descendants
+    from e2e_sides import descendants
 
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

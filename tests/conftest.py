@@ -1,4 +1,11 @@
-"""Shared test helpers."""
+"""Shared test helpers, and how the suite runs on two workers (pytest-xdist; docs/testing.md).
+
+The suite runs with ``-n 2 --dist loadgroup`` (pyproject's addopts). Tests that start a Ray cluster, or look for one
+(``address='auto'``, processes found by their command line), are one xdist group, ``ray``: they run one after the
+other on one worker, so two clusters never share the 2 cores, the ports or ``/tmp/ray``; everything else spreads
+over both workers. Before the workers start, the controller builds the two embedded tiny models the suite reads
+(dense and MoE) once, so no two workers build the same model at the same time.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,48 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Modules outside tests/e2e/ that start a Ray cluster (ray.init, `ray start`, a training run through Ray) or look for
+# one (doctor's address='auto' probe): the `ray` xdist group with every e2e test.
+RAY_MODULES = {
+    "tests/unit/test_ray_actor_resources.py",
+    "tests/unit/test_device_bundle.py",
+    "tests/unit/test_scripts.py",
+    "tests/unit/test_doctor_env.py",
+}
+
+
+def in_ray_group(path: Path) -> bool:
+    rel = path.resolve().relative_to(REPO).as_posix()
+    return rel.startswith("tests/e2e/") or rel in RAY_MODULES
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if in_ray_group(Path(str(item.path))):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def pytest_configure(config):
+    """On the controller of a parallel run (not in a worker, not in a serial run): the embedded tiny models, built
+    once before the workers start (a no-op when they are in the cache)."""
+    if hasattr(config, "workerinput"):
+        # a worker: one intra-op thread for its in-process tensors, since two workers already fill the 2 cores and
+        # two OpenMP pools spinning against each other slow small ops ~10-40x (see one_thread); subprocesses a
+        # test starts keep torch's default
+        import torch
+
+        torch.set_num_threads(1)
+        return
+    workers = getattr(config.option, "numprocesses", None)
+    if not workers or config.option.collectonly:
+        return
+    if os.environ.get("GSPO_TEST_NO_PREBUILD"):  # a run that needs no model (e.g. only lint or docs tests)
+        return
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    for moe in (False, True):
+        ensure_tiny_model(moe=moe)
 
 
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -53,30 +53,30 @@ def _device_count(backend, requested: int | None) -> int:
     return requested
 
 
-def _fault() -> str | None:
+def _faults() -> tuple[str, ...]:
     from ..device.shim import selftest_fault
 
     try:
-        fault = selftest_fault.requested()
+        faults = selftest_fault.requested()
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if fault in selftest_fault.op_faults():
-        from .mc2 import OPS as MC2_OPS
-        from .ops import CASES
+    from .mc2 import OPS as MC2_OPS
+    from .ops import CASES
 
-        checked = sorted({op for case in CASES for op in case.ops} | set(MC2_OPS))
-        if fault not in checked:
+    checked = sorted({op for case in CASES for op in case.ops} | set(MC2_OPS))
+    for fault in faults:
+        if fault in selftest_fault.op_faults() and fault not in checked:
             raise UserError(
                 f"env {selftest_fault.ENV}={fault} is a shim op no selftest check calls; checked: {', '.join(checked)}"
             )
-    return fault
+    return faults
 
 
 def main_selftest(args: argparse.Namespace) -> int:
     from ..device import get_backend
     from . import report
 
-    fault = _fault()
+    faults = _faults()
     backend = get_backend(args.device)  # an unusable device: DeviceError, one line, exit 2
     if args.build_ops:
         return _build_ops_only(backend, args.json)
@@ -85,7 +85,7 @@ def main_selftest(args: argparse.Namespace) -> int:
     say = (
         (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
     )
-    say(_header(backend, devices, args.quick, work, fault))
+    say(_header(backend, devices, args.quick, work, faults))
     start, results = time.perf_counter(), []
     for layer, run in _layers(backend, devices, args.quick, work):
         log = work / f"{layer}.log"
@@ -145,14 +145,14 @@ def _guarded(layer: str, run: Callable[[Path], list], log: Path) -> list:
         return [Result(layer, "fail", 0.0, detail, "docs/troubleshooting.md#selftest-setup: read the log")]
 
 
-def _header(backend, devices: int, quick: bool, work: Path, fault: str | None) -> str:
+def _header(backend, devices: int, quick: bool, work: Path, faults: tuple[str, ...]) -> str:
     from .. import __version__
     from ..device.shim import selftest_fault
 
     what = "npu emulated on the CPU shim" if backend.emulated else backend.name
     mode = "quick" if quick else "full"
     line = f"gspo-ascend selftest (gspo-ascend {__version__}): {what}, {devices} device(s), {mode} run; work dir {work}"
-    if fault is not None:
+    for fault in faults:
         served = fault == selftest_fault.ROLLOUT_WEIGHT_UPDATE or backend.emulated
         line += f"\nTEST-ONLY fault injected: {selftest_fault.ENV}={fault}" + (
             "" if served else " (no shim op serves it on this device: nothing is perturbed)"

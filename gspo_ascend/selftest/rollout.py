@@ -89,7 +89,7 @@ def _update_stream(state: dict[str, torch.Tensor], old: dict[str, torch.Tensor])
     from ..device.shim import selftest_fault
 
     stream = list(state.items())
-    if selftest_fault.requested() == selftest_fault.ROLLOUT_WEIGHT_UPDATE:  # test-only: one tensor "did not arrive"
+    if selftest_fault.ROLLOUT_WEIGHT_UPDATE in selftest_fault.requested():  # test-only: one tensor "did not arrive"
         experts = [i for i, (name, _) in enumerate(stream) if ".experts." in name]
         i = experts[0] if experts else next(i for i, (name, _) in enumerate(stream) if name.endswith("q_proj.weight"))
         stream[i] = (stream[i][0], old[stream[i][0]])

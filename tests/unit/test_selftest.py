@@ -93,7 +93,7 @@ def test_the_fault_never_touches_a_real_torch_npu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", real)
     monkeypatch.setenv(selftest_fault.ENV, "npu_rms_norm")
     with selftest_fault.perturbed_ops() as perturbed:
-        assert perturbed is None and real.npu_rms_norm is original
+        assert perturbed == () and real.npu_rms_norm is original
 
 
 def test_fault_names_are_checked(monkeypatch):
@@ -101,7 +101,12 @@ def test_fault_names_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="npu_nonsense.*valid: .*npu_rms_norm.*rollout_weight_update"):
         selftest_fault.requested()
     monkeypatch.setenv(selftest_fault.ENV, "")
-    assert selftest_fault.requested() is None
+    assert selftest_fault.requested() == ()
+    monkeypatch.setenv(selftest_fault.ENV, "npu_swiglu, rollout_weight_update,npu_swiglu")  # a list, each once
+    assert selftest_fault.requested() == ("npu_swiglu", "rollout_weight_update")
+    monkeypatch.setenv(selftest_fault.ENV, "npu_swiglu,npu_nonsense")
+    with pytest.raises(ValueError, match="'npu_nonsense' names no fault"):
+        selftest_fault.requested()
 
 
 # ----------------------------------------------------------------------------------------------- comparisons

@@ -12,6 +12,8 @@ The selftest's tests use it to show that a broken layer is caught and named, and
 * ``GSPO_SELFTEST_FAULT=rollout_weight_update``: the selftest's rollout check sends one tensor of its weight
   update with its old value (a tensor that "did not arrive"), so the rollout check fails
   (``gspo_ascend.selftest.rollout``).
+* Several at once, comma-separated (``npu_swiglu,rollout_weight_update``): each fails its own check in one run,
+  which is how the selftest's end-to-end test shows two faults caught without paying for two runs.
 
 Only the shim's stand-ins are ever touched: with a real torch_npu (an Atlas host) or without the shim, an op fault
 changes nothing, and the selftest says so in one line. The swap is undone when the block ends.
@@ -48,14 +50,14 @@ def valid_faults() -> tuple[str, ...]:
     return (*op_faults(), ROLLOUT_WEIGHT_UPDATE)
 
 
-def requested() -> str | None:
-    """The fault named by ``GSPO_SELFTEST_FAULT`` (None when unset); ValueError naming the valid ones otherwise."""
-    value = os.environ.get(ENV, "").strip()
-    if not value:
-        return None
-    if value not in valid_faults():
-        raise ValueError(f"env {ENV}={value!r} names no fault; valid: {', '.join(valid_faults())}")
-    return value
+def requested() -> tuple[str, ...]:
+    """The faults named by ``GSPO_SELFTEST_FAULT`` (comma-separated; empty when unset); ValueError naming the
+    valid ones when one is not."""
+    names = tuple(dict.fromkeys(n.strip() for n in os.environ.get(ENV, "").split(",") if n.strip()))
+    for name in names:
+        if name not in valid_faults():
+            raise ValueError(f"env {ENV}={name!r} names no fault; valid: {', '.join(valid_faults())}")
+    return names
 
 
 def _scaled(value: Any) -> Any:
@@ -88,20 +90,20 @@ def _target(name: str) -> tuple[Any, str] | None:
 
 
 @contextlib.contextmanager
-def perturbed_ops() -> Iterator[str | None]:
-    """Inside the block, the op named by ``GSPO_SELFTEST_FAULT`` (if any, and if the shim serves it) is perturbed.
+def perturbed_ops() -> Iterator[tuple[str, ...]]:
+    """Inside the block, the ops named by ``GSPO_SELFTEST_FAULT`` (those the shim serves here) are perturbed.
 
-    Yields the name of the perturbed op, or None when nothing was perturbed.
+    Yields the names of the perturbed ops (empty when nothing was perturbed).
     """
-    name = requested()
-    target = _target(name) if name in op_faults() else None
-    if target is None:
-        yield None
-        return
-    owner, attr = target
-    original = getattr(owner, attr)
-    setattr(owner, attr, _perturb(original))
+    swapped = []
     try:
-        yield name
+        for name in requested():
+            target = _target(name) if name in op_faults() else None
+            if target is not None:
+                owner, attr = target
+                swapped.append((name, owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, _perturb(swapped[-1][3]))
+        yield tuple(name for name, *_ in swapped)
     finally:
-        setattr(owner, attr, original)
+        for _, owner, attr, original in reversed(swapped):
+            setattr(owner, attr, original)

@@ -21,6 +21,18 @@ by stopping the first phase at a lucky step.
 the "small" size takes ~40 min on two CPU cores, seconds on a GPU. The weights are initialised on the CPU either way
 and saved from it; a device's kernels round differently, so its model is another model than the CPU one, and the
 manifest records where it was built (:func:`ensure_tiny_model` tells them apart).
+
+A CPU build is the same bytes on any x86-64 CPU (issue #40: a fresh 2-core box built another model, 0.31 instead
+of 0.44 at step 0). What made it differ is what picks kernels by CPU: ATen's vectorised kernels (and Sleef's
+exp/log) are dispatched per instruction set (AVX-512, AVX2 or the default), MKL's sgemm picks a code path per CPU
+(and vendor), and a reduction split over threads sums in another order. The build therefore runs in a child
+process started with :data:`PORTABLE_CPU_ENV` (ATen's ``default`` kernels, MKL's ``COMPATIBLE`` path, one
+thread), which both libraries read once, at their first use, so the parent (which has used torch) cannot switch
+them. Measured on a 2-core AMD EPYC: the default recipe's bytes were different under ``ATEN_CPU_CAPABILITY=avx2``
+than with the machine's AVX-512, and identical with the pinning whatever the parent's capability, thread count or
+glibc's libm variant (``GLIBC_TUNABLES`` masking FMA/AVX2); see docs/trainer.md for the cost. Test-shrunk models
+(TinySpec overrides) build in-process as before unless ``portable=True``: nothing promises their bytes across
+CPUs, and the child's imports would cost CI seconds per build.
 """
 
 from __future__ import annotations
@@ -32,14 +44,30 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
 
-RECIPE_VERSION = 2  # bump when the recipe changes: ensure_tiny_model() then rebuilds cached models
+RECIPE_VERSION = 3  # bump when the recipe changes: ensure_tiny_model() then rebuilds cached models
 # 2: the tokenizer lists model_input_names (transformers 4.x would add token_type_ids); weights unchanged
+# 3: CPU builds of the presets run with PORTABLE_CPU_ENV: the same bytes on any x86-64 CPU (other weights than 2's)
+
+# What a CPU build's process is started with, so that its kernels are the same on every x86-64 CPU (module docstring).
+# ATen and MKL read these once per process, before their first use; "default" is the capability every x86-64 CPU
+# has (avx2 or avx512 would need a CPU that has them), COMPATIBLE the MKL path documented to give the
+# same results on Intel and non-Intel CPUs, and one thread fixes the order of every reduction.
+PORTABLE_CPU_ENV = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+_CHILD = False  # True in the portable build's child process: it builds in-process whatever it finds
+
 SYNTHETIC_DATA_SOURCE = "gspo_ascend/synthetic_arithmetic"
 # 2: "train" and "test" draw disjoint problems (a held-out quarter); the embedded data directory is named after it
 SYNTHETIC_VERSION = 2
@@ -501,6 +529,44 @@ def _deterministic(backend=None):
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
+def _portable_process() -> bool:
+    """Whether this process runs with :data:`PORTABLE_CPU_ENV` (as the build's child does): ATen and MKL read it at
+    their first use, so the environment alone is not proof for ATen, whose capability is checked too."""
+    import torch
+
+    pinned = all(os.environ.get(key) == value for key, value in PORTABLE_CPU_ENV.items())
+    return pinned and torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+
+
+@contextlib.contextmanager
+def _one_thread(on: bool):
+    """One intra-op thread while ``on`` (a reduction split over threads sums in another order), restored after."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if on:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _build_in_child(out: Path, kwargs: dict) -> dict:
+    """Run :func:`make_tiny_model` (``kwargs``, output ``out``) in a child process started with
+    :data:`PORTABLE_CPU_ENV`; returns the manifest it wrote. The child prints its own errors (stderr is ours)."""
+    env = {**os.environ, **PORTABLE_CPU_ENV}
+    # the child imports this package from where the parent did, installed or not
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    request = json.dumps({"output_dir": str(out), **kwargs})
+    result = subprocess.run([sys.executable, "-m", "gspo_ascend.tiny", request], env=env, check=False)
+    manifest = read_manifest(out)
+    if result.returncode != 0 or manifest is None:
+        raise RuntimeError(f"the tiny-model build process failed (exit {result.returncode}); its error is above")
+    return manifest
+
+
 def _check_output_dir(out: Path) -> None:
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise UserError(f"'{out}' exists and is not a tiny-model directory; choose another output directory")
@@ -516,6 +582,7 @@ def make_tiny_model(
     evaluate: bool = True,
     size: str = "tiny",
     device: str = "cpu",
+    portable: bool | None = None,
     **overrides,
 ) -> dict:
     """Build, warm-start, evaluate and save a tiny model + tokenizer into ``output_dir``; returns the manifest.
@@ -525,10 +592,20 @@ def make_tiny_model(
     as trainer.device) runs the warm start and the eval; an unusable one is a one-line DeviceError (exit 2) before
     anything is built. The directory is written next to the target and renamed into place, so a reader never sees
     a half-built model; an existing tiny-model directory is replaced.
+
+    ``portable`` (on the CPU): build in a child process with :data:`PORTABLE_CPU_ENV`, the same bytes on any x86-64
+    CPU; None = portable for a preset without ``overrides`` (the models users get), in-process for test-shrunk ones.
     """
     from .device import get_backend
 
     backend = get_backend(device)
+    if portable is None:
+        portable = not overrides
+    if backend.torch_device_type == "cpu" and portable and not _CHILD and not _portable_process():
+        out = Path(output_dir).expanduser() if output_dir is not None else default_tiny_dir(moe, size)
+        _check_output_dir(out)
+        kwargs = dict(moe=moe, seed=seed, sft_steps=sft_steps, noisy_sft_steps=noisy_sft_steps, evaluate=evaluate)
+        return _build_in_child(out, dict(kwargs, size=size, **overrides))
     spec = replace(TinySpec(moe=moe), **_size_overrides(size, overrides))
     spec = replace(spec, sft_steps=spec.sft_steps if sft_steps is None else sft_steps)
     spec = replace(spec, noisy_sft_steps=spec.noisy_sft_steps if noisy_sft_steps is None else noisy_sft_steps)
@@ -539,7 +616,7 @@ def make_tiny_model(
     )
     _check_output_dir(out)
     start = time.perf_counter()
-    with _deterministic(backend):
+    with _deterministic(backend), _one_thread(portable and backend.torch_device_type == "cpu"):
         tokenizer = build_tokenizer(seed, spec.vocab_size, spec.max_operand, checks=spec.check_lines_mean > 0)
         # initialised on the CPU (the CPU generator, seeded): every device starts from the same weights
         model = build_model(spec, tokenizer, seed).to(backend.device())
@@ -570,6 +647,10 @@ def _manifest(
         "initial_accuracy": accuracy,
         "build_seconds": round(seconds, 1),
         "torch_threads": torch.get_num_threads(),
+        # DEFAULT with MKL_CBWR=COMPATIBLE and 1 thread: a portable build, the same bytes on any x86-64 CPU
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR"),
+        "portable": _portable_process() and torch.get_num_threads() == 1,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
 
@@ -716,3 +797,9 @@ def main_make_tiny_model(args: argparse.Namespace) -> int:
         f"{n['at_limit']:.0%} at the {acc['max_new_tokens']}-token limit"
     )
     return 0
+
+
+if __name__ == "__main__":  # the portable build's child (_build_in_child): one JSON argument, make_tiny_model's
+    _CHILD = True
+    request = json.loads(sys.argv[1])
+    make_tiny_model(request.pop("output_dir"), **request)

@@ -308,3 +308,42 @@ def test_a_model_built_on_an_accelerator_has_a_default_folder_of_its_own(monkeyp
     assert default_tiny_dir(size="small") == tmp_path / "small-qwen3"
     assert default_tiny_dir(size="small", device_type="cuda") == tmp_path / "small-qwen3-cuda"
     assert default_tiny_dir(moe=True, device_type="npu") == tmp_path / "tiny-qwen3-moe-npu"
+
+
+# ----------------------------------------------------------------------------------------------- portable CPU build
+
+
+def _lower_capability() -> str | None:
+    """An ATen CPU capability below this CPU's own (what a CPU without its widest vector unit dispatches to)."""
+    native = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": "avx2", "AVX2": "default"}.get(native)
+
+
+@pytest.mark.skipif(_lower_capability() is None, reason="needs an x86-64 CPU with AVX2 or AVX-512")
+def test_a_portable_build_is_the_same_bytes_on_another_cpu_type(tmp_path, monkeypatch):
+    """Issue #40: a CPU build was bitwise on one machine, another model on another CPU type. Another CPU type is
+    emulated here by what it changes: ATen's kernels one instruction set lower, MKL's automatic code path, another
+    thread count, and glibc's libm without FMA/AVX2 variants. The portable build's child pins the first three
+    (PORTABLE_CPU_ENV), so both builds are the same bytes; without the pinning they differ (ATen's AVX-512 and
+    AVX2 kernels round differently)."""
+    import hashlib
+
+    from gspo_ascend.tiny import PORTABLE_CPU_ENV
+
+    for key in (*PORTABLE_CPU_ENV, "GLIBC_TUNABLES"):  # this machine as it is
+        monkeypatch.delenv(key, raising=False)
+    this_cpu = make_tiny_model(tmp_path / "this", portable=True, evaluate=False, **SMALL)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", _lower_capability())
+    monkeypatch.setenv("MKL_CBWR", "AUTO")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-FMA4,-AVX")
+    other_cpu = make_tiny_model(tmp_path / "other", portable=True, evaluate=False, **SMALL)
+
+    def sha(name):
+        return hashlib.sha256((tmp_path / name / "model.safetensors").read_bytes()).hexdigest()
+
+    assert sha("this") == sha("other")
+    for manifest in (this_cpu, other_cpu):
+        assert manifest["portable"] and manifest["cpu_capability"] == "DEFAULT" and manifest["torch_threads"] == 1
+    # a test-shrunk model builds in-process unless asked (no child process to import torch in)
+    assert not make_tiny_model(tmp_path / "shrunk", evaluate=False, **SMALL)["portable"]

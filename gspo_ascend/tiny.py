@@ -66,6 +66,8 @@ PORTABLE_CPU_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
+# what torch.backends.cpu.get_cpu_capability() calls the "default" capability (torch 2.7 says NO AVX)
+DEFAULT_CPU_CAPABILITY = ("DEFAULT", "NO AVX")
 _CHILD = False  # True in the portable build's child process: it builds in-process whatever it finds
 
 SYNTHETIC_DATA_SOURCE = "gspo_ascend/synthetic_arithmetic"
@@ -535,7 +537,7 @@ def _portable_process() -> bool:
     import torch
 
     pinned = all(os.environ.get(key) == value for key, value in PORTABLE_CPU_ENV.items())
-    return pinned and torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    return pinned and torch.backends.cpu.get_cpu_capability() in DEFAULT_CPU_CAPABILITY
 
 
 @contextlib.contextmanager

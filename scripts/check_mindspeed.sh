@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# Run the real MindSpeed on CPU under our device shim, in a separate venv per MindSpeed branch (issues #13, #26).
+# Run the real MindSpeed on CPU under our device shim, in a separate venv per MindSpeed branch (issues #13, #26, #40).
 # Two branches are held (docs/mindspeed-branches.md lists what differs between them for us, with the test of each):
 #   26.1.0  branch 26.1.0_core_r0.12.1, the maintained one (until 2026-12-30): the recommended MindSpeed;
-#           venv .venv-mindspeed-26/
+#           venv .venv-mindspeed-26/; runs the whole of tests/mindspeed/
 #   2.2.0   branch 2.2.0_core_r0.12.1, the MindSpeed of verl's Atlas 800T A2 stack (the field stack; unmaintained
-#           since 2026-03-30); venv .venv-mindspeed/
-# .ci/run runs both, one after the other. Each venv takes 5.9 GB (torch 2.7.1 from PyPI is a CUDA build with its
-# nvidia-* libraries; PyTorch's CPU index is not reachable from every machine). One venv each rather than one venv
-# re-installed: MindSpeed's reinstall is cheap (~5 s), but two runs sharing one venv would swap MindSpeed under each
-# other's subprocesses; with pip's cache warm the second venv costs its install time, not the download.
-# Measured on 2 shared, loaded cores (2026-11-26; docs/mindspeed-branches.md "CI time"): the stack 158-166 s per
-# venv (no pip cache here: each venv downloads torch), MindSpeed 25 s (2.2.0) / 43 s (26.1.0), the tiny models once
-# per venv, then tests/mindspeed/ (59 tests) 345 s on 2.2.0 and 321 s on 26.1.0: ~5.5 min per branch cached.
-#   bash scripts/check_mindspeed.sh                        26.1.0 (MINDSPEED_BRANCH, else 26.1.0): run tests/mindspeed/
-#   bash scripts/check_mindspeed.sh --branch 2.2.0         the field stack's MindSpeed
+#           since 2026-03-30); venv .venv-mindspeed/; runs only the tests that tell the branches apart: the "test"
+#           column of the doc's table "What differs between them for us", read by tests/mindspeed/branch_tests.py
+#           (the one list; tests/unit/test_mindspeed_branch_tests.py checks each entry names a real test)
+# .ci/run runs both, one after the other.
+#   bash scripts/check_mindspeed.sh                        26.1.0 (MINDSPEED_BRANCH, else 26.1.0): tests/mindspeed/
+#   bash scripts/check_mindspeed.sh --branch 2.2.0         the field stack's MindSpeed: the distinguishing tests
+#   bash scripts/check_mindspeed.sh --branch 2.2.0 --all   ... the whole of tests/mindspeed/ instead
 #   bash scripts/check_mindspeed.sh --rebuild              delete the branch's venv and build it again
-#   bash scripts/check_mindspeed.sh [--] FILE...           run these test files (or node ids) instead of tests/mindspeed/
+#   bash scripts/check_mindspeed.sh [--] FILE...           run these test files (or node ids, or pytest options)
+# Caches outside the clone, under GSPO_CI_CACHE (default ~/.cache/gspo-ci); a fresh machine (only Python) fills them
+# once, every later venv and clone reuses them; deleting the folder only costs that first fill again:
+#   uv-<version>/   uv itself (pip-installed from PyPI into its own small venv)
+#   uv/             uv's package cache: torch 2.7.1 (a CUDA build with its nvidia-* libraries; PyTorch's CPU index is
+#                   not reachable from every machine) is downloaded once; every venv then hardlinks the installed
+#                   files from here (uv's default on Linux; on another filesystem than the clone uv copies them), so
+#                   the second branch's 5.9 GB venv costs seconds and almost no disk. MindSpeed's wheel, built once
+#                   per archive, is cached here too.
+#   gspo-home-<key>/  the tiny models (GSPO_HOME), shared by both venvs: built by the same torch and transformers
+#                   (the key hashes their pins), so the same models; gspo_ascend.tiny writes each next to its place
+#                   and renames it in, so two runs building at once do not see half a model.
+#   locks/          one lock per venv: a run installs into its venv only while no other run uses that venv, so two
+#                   runs at once never swap MindSpeed under each other's worker processes (and each branch has its
+#                   own venv, so the two branches run side by side).
+# Measured on 2 shared, loaded cores: docs/mindspeed-branches.md "CI time".
 # The stack: the NPU pins that run on CPU (requirements-npu.txt: torch 2.7.1, numpy 1.26.4, mbridge 0.13.1, einops;
 # megatron-core 0.12.1 and transformers 4.57.6 from requirements-gpu.txt: verl's Ascend image has 4.57.6, the NPU file
 # holds 4.57.1 only for vllm-ascend's ceiling, and vllm-ascend is not installed here), MindSpeed with --no-deps (its
@@ -24,19 +36,22 @@
 # MindSpeed's source (never copied into this repository; installed and run):
 #   MINDSPEED_SRC=<checkout dir or archive> when set, else ../shared/upstream/mindspeed-<branch>_core_r0.12.1-*.tar.gz
 # Environment: PYTHON (default python3, 3.10 or 3.11), MINDSPEED_BRANCH (26.1.0 | 2.2.0),
-#   MINDSPEED_VENV (default .venv-mindspeed-26 for 26.1.0, .venv-mindspeed for 2.2.0).
+#   MINDSPEED_VENV (default .venv-mindspeed-26 for 26.1.0, .venv-mindspeed for 2.2.0), GSPO_CI_CACHE (see above);
+#   uv reads its own settings (UV_DEFAULT_INDEX, ...), not pip's configuration.
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # the stamp hashes this file: any cwd
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 BRANCH=${MINDSPEED_BRANCH:-26.1.0}
-TESTS=(tests/mindspeed)
+UV_VERSION=0.13.9
 rebuild=0
+all=0
 while (($#)); do
   case "$1" in
     --branch) BRANCH="${2:-}"; shift 2 || shift ;;
     --branch=*) BRANCH="${1#--branch=}"; shift ;;
     --rebuild) rebuild=1; shift ;;
+    --all) all=1; shift ;;
     *) break ;;
   esac
 done
@@ -49,9 +64,16 @@ case "$BRANCH" in
     ;;
 esac
 VENV=${MINDSPEED_VENV:-$default_venv}
-if ((rebuild)); then rm -rf "$VENV"; fi
+CACHE=${GSPO_CI_CACHE:-$HOME/.cache/gspo-ci}
 [[ "${1:-}" == "--" ]] && shift
-(($#)) && TESTS=("$@")
+if (($#)); then
+  TESTS=("$@")
+elif [[ "$BRANCH" == 26.1.0 ]] || ((all)); then
+  TESTS=(tests/mindspeed)
+else  # the compatibility branch: the tests of the doc's table (plain Python reads them: no venv needed)
+  mapfile -t TESTS < <("$PY" -m tests.mindspeed.branch_tests)
+  ((${#TESTS[@]})) || { echo "check_mindspeed: no tests read from docs/mindspeed-branches.md" >&2; exit 1; }
+fi
 
 # MindSpeed's source: an explicit MINDSPEED_SRC, else the archive in ../shared/upstream/
 src="${MINDSPEED_SRC:-}"
@@ -86,31 +108,52 @@ PINS=(
 )
 for p in "${PINS[@]}"; do [[ -n "$p" ]] || exit 1; done  # pin() failed inside $(...): its message is above
 
-[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-pip_q() {  # quiet pip; drops the warnings about this machine's empty local indexes (file:// extra-index-url)
-  "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
+# uv, once per machine, in its own small venv (its bin/uv is a self-contained binary); built aside and moved into
+# place whole, so two first runs at once each end with a complete one
+UV="$CACHE/uv-$UV_VERSION/bin/uv"
+if [[ ! -x "$UV" ]]; then
+  mkdir -p "$CACHE"
+  tmp="$CACHE/.uv-$UV_VERSION.tmp-$$"
+  "$PY" -m venv "$tmp"
+  "$tmp/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)  # this machine's empty file:// indexes
+  mv -T "$tmp" "$CACHE/uv-$UV_VERSION" 2>/dev/null || rm -rf "$tmp"
+fi
+export UV_CACHE_DIR="$CACHE/uv" UV_NO_PROGRESS=1
+uv_pip() { "$UV" pip "$1" --python "$VENV/bin/python" --quiet "${@:2}"; }
+
+# this venv's lock: exclusive while installing, shared while testing (a run that must install waits for the others)
+mkdir -p "$CACHE/locks"
+exec 9>"$CACHE/locks/$(realpath -m "$VENV" | sha256sum | cut -c1-16).lock"
+flock 9
+if ((rebuild)); then rm -rf "$VENV"; fi
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv --without-pip "$VENV"
 stamp="$VENV/.gspo-mindspeed-$( (printf '%s\n' "${PINS[@]}"; cat pyproject.toml "$self") | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
   start=$SECONDS
-  pip_q install -q "${PINS[@]}"
-  pip_q install -q --no-deps --no-build-isolation -e .
+  uv_pip install "${PINS[@]}"
+  uv_pip install --no-deps --no-build-isolation -e .
   rm -f "$VENV"/.gspo-mindspeed-* "$VENV"/.gspo-mindspeed-src-*
   touch "$stamp"
-  echo "check_mindspeed: stack installed in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1) venv)"
+  echo "check_mindspeed: stack installed in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1) venv, most of it" \
+    "hardlinks into $UV_CACHE_DIR)"
 fi
-# MindSpeed itself: reinstalled when the archive changes (a checkout directory is reinstalled every run, ~5 s)
+# MindSpeed itself: reinstalled when the archive changes (its wheel, built once per archive, comes from uv's
+# cache); a checkout directory is built and reinstalled every run
 src_id="dir"
 [[ -f "$src" ]] && src_id="$(sha256sum "$src" | cut -c1-16)"
 src_stamp="$VENV/.gspo-mindspeed-src-$src_id"
 if [[ ! -f "$src_stamp" ]]; then
   start=$SECONDS
-  pip_q install -q --no-deps --force-reinstall "$src"
+  refresh=()
+  [[ "$src_id" == dir ]] && refresh=(--refresh-package mindspeed)
+  # named: uv would read the name from the archive's file name (mindspeed-26.1.0_core_r0.12.1-...)
+  uv_pip install --no-deps --reinstall-package mindspeed "${refresh[@]}" "mindspeed @ file://$(realpath "$src")"
   rm -f "$VENV"/.gspo-mindspeed-src-*
   [[ "$src_id" == dir ]] || touch "$src_stamp"
-  echo "check_mindspeed: MindSpeed installed from $src in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1) venv)"
+  echo "check_mindspeed: MindSpeed installed from $src in $((SECONDS - start)) s"
 fi
+flock -s 9  # from here on other runs may test in this venv too; none may install into it until this one ends
 
 versions="$("$VENV/bin/python" - <<'EOF'
 from importlib.metadata import version
@@ -123,13 +166,17 @@ print(", ".join(f"{n} {version(n)}" for n in names) + f" (doctor: branch {branch
 EOF
 )"
 echo "mindspeed stack: $versions"
-# tiny models are built by this stack's transformers and never overwrite .venv's cache
-GSPO_HOME="$(cd "$VENV" && pwd)/gspo-home"
+# the tiny models: built by this stack's torch and transformers (the key), so both branches' venvs share them; never
+# written into .venv's cache (~/.cache/gspo-ascend), which another transformers builds
+GSPO_HOME="$CACHE/gspo-home-$(printf '%s\n' "${PINS[0]}" "$(pin transformers requirements-gpu.txt)" | sha256sum | cut -c1-12)"
 export GSPO_HOME
 export MINDSPEED_BRANCH="$BRANCH"  # tests/mindspeed/test_mindspeed_branch.py: the doctor must find this branch
 
 start=$SECONDS
 rc=0
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}" || rc=$?
+echo "check_mindspeed: on $BRANCH: ${TESTS[*]}"
+# pyproject's addopts run the main suite on two pytest-xdist workers; not here: these tests start their own gloo
+# ranks (up to four processes on the two cores), and this venv has no xdist
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -o "addopts=-ra --durations=15" "${TESTS[@]}" || rc=$?
 echo "check_mindspeed: tests ran in $((SECONDS - start)) s (exit $rc) on $versions"
 exit "$rc"

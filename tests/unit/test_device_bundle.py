@@ -173,10 +173,9 @@ def test_install_refuses_a_bundle_for_another_python(tmp_path):
 
 @pytest.fixture(scope="module")
 def cache():
-    """Downloads shared by the slow tests of this module (one folder per target Python inside)."""
-    path = Path(tempfile.mkdtemp(prefix="gspo-bundle-cache-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    """Downloads shared by the slow tests of this module (one folder per target Python inside): build_bundle's own
+    cache, which a machine fills once (pip reuses a wheel already there; the lock pins every version)."""
+    return bb.DEFAULT_CACHE
 
 
 def travelling_tree_size() -> int:
@@ -189,14 +188,18 @@ def travelling_tree_size() -> int:
 @pytest.mark.slow
 def test_device_bundle_fits_and_installs_on_the_image(cache, tmp_path):
     out = tmp_path / "bundle"
-    manifest = bb.build(out, DEVICE_PYTHON, cache)
+    # xz level 1, not the shipped 9: the tar is the same, and level 1 packs it larger (the Ray site 31.5 MB against
+    # 20.0 MB at 9, measured), so fitting at 1 bounds the shipped bundle from above; 9 took 3.5x as long (975 s
+    # against 281 s, one loaded 2-core box)
+    manifest = bb.build(out, DEVICE_PYTHON, cache, xz_level=1)
     files = sorted(p for p in out.rglob("*") if p.is_file())
     total = sum(p.stat().st_size for p in files)
     assert manifest["total_size"] == total - (out / "MANIFEST.json").stat().st_size
     tree = travelling_tree_size()
     assert total + tree < bb.MAX_TRAVEL, f"bundle {total / 2**20:.1f} MiB + tree {tree / 2**20:.1f} MiB > 64 MiB"
     ray = next(p for p in manifest["packages"] if p["name"] == "ray")
-    assert ray["size"] < 24 * 2**20 and ray["wheel"].startswith("ray-2.60.0-cp312-cp312-manylinux")
+    # the pruned Ray site, at level 1: 31.5 MB measured (20.0 MB at 9, bounded there by 24 MiB): the same 20% room
+    assert ray["size"] < 36 * 2**20 and ray["wheel"].startswith("ray-2.60.0-cp312-cp312-manylinux")
 
     wheels = sorted((out / "wheels").glob("*.whl"))
     assert {bb.wheel_tags(w.name)[0] for w in wheels} == {bb.normalize(n) for n in bb.CARRY}

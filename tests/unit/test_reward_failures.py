@@ -279,10 +279,12 @@ if __name__ == "__main__":
 def test_ctrl_c_stops_a_driver_waiting_on_a_stuck_scorer_without_worker_tracebacks(tmp_path):
     """Ctrl-C (SIGINT to the process group) while a scorer is stuck: the driver ends with KeyboardInterrupt and
     the workers stay quiet. Old code: every worker printed its own KeyboardInterrupt traceback as well."""
+    inside = tmp_path / "in-scorer"  # the scorer says it has the sample: the test waits on that, not on a sleep
     (tmp_path / "stuck.py").write_text(
-        "import signal, time\n"
+        "import pathlib, signal, time\n"
         "def f(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n"
+        f"    pathlib.Path({str(inside)!r}).touch()\n"
         "    time.sleep(600)\n"
     )
     script = tmp_path / "driver.py"
@@ -296,7 +298,10 @@ def test_ctrl_c_stops_a_driver_waiting_on_a_stuck_scorer_without_worker_tracebac
     )
     try:
         assert driver.stdout.readline().startswith("READY")
-        time.sleep(1.0)  # the sample is in the scorer
+        deadline = time.monotonic() + 60  # a bound for a loaded CI host, not a speed claim
+        while not inside.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert inside.exists(), "the sample never reached the scorer"
         os.killpg(driver.pid, signal.SIGINT)
         _, err = driver.communicate(timeout=120)
     except subprocess.TimeoutExpired as timeout:  # a hung driver's threads, for the failure message

@@ -1,7 +1,7 @@
 """The embedded tiny models (dense Qwen3 and Qwen3-MoE) and the synthetic arithmetic task they are warmed on.
 
-Built locally, deterministically, in about a minute on two CPU cores, so the CPU demo and CI never touch a
-model hub:
+Built locally, deterministically (the same bytes on any x86-64 CPU, below), in about two minutes on one CPU core, so
+the CPU demo and CI never touch a model hub:
 
 1. a byte-level BPE tokenizer (digits split one per token, like Qwen's) trained in-process on the task's text,
    wrapped as a transformers fast tokenizer with a Qwen-style ``<|im_start|>role ... <|im_end|>`` chat template;
@@ -30,7 +30,8 @@ process started with :data:`PORTABLE_CPU_ENV` (ATen's ``default`` kernels, MKL's
 thread), which both libraries read once, at their first use, so the parent (which has used torch) cannot switch
 them. Measured on a 2-core AMD EPYC: the default recipe's bytes were different under ``ATEN_CPU_CAPABILITY=avx2``
 than with the machine's AVX-512, and identical with the pinning whatever the parent's capability, thread count or
-glibc's libm variant (``GLIBC_TUNABLES`` masking FMA/AVX2); see docs/trainer.md for the cost. Test-shrunk models
+glibc's libm variant (``GLIBC_TUNABLES`` masking FMA/AVX2). It costs about twice the CPU time (119 s against 58 s
+for the warm start on one thread; docs/trainer.md). Test-shrunk models
 (TinySpec overrides) build in-process as before unless ``portable=True``: nothing promises their bytes across
 CPUs, and the child's imports would cost CI seconds per build.
 """

@@ -1,9 +1,9 @@
 """Shared test helpers, and how the suite runs on two workers (pytest-xdist; docs/testing.md).
 
-The suite runs with ``-n 2 --dist loadgroup`` (pyproject's addopts). Tests that start a Ray cluster, or look for one
-(``address='auto'``, processes found by their command line), are one xdist group, ``ray``: they run one after the
-other on one worker, so two clusters never share the 2 cores, the ports or ``/tmp/ray``; everything else spreads
-over both workers. Before the workers start, the controller builds the two embedded tiny models the suite reads
+The suite runs with ``-n 2`` (pyproject's addopts). Tests that start a Ray cluster, or look for one
+(``address='auto'``, processes found by their command line), are one scheduling unit, the Ray lane: they run one
+after the other on one worker, so two clusters never share the 2 cores, the ports or ``/tmp/ray``; everything else
+spreads over both workers. Before the workers start, the controller builds the two embedded tiny models the suite reads
 (dense and MoE) once, so no two workers build the same model at the same time.
 """
 
@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Modules outside tests/e2e/ that start a Ray cluster (ray.init, `ray start`, a training run through Ray) or look for
-# one (doctor's address='auto' probe): the `ray` xdist group with every e2e test.
+# one (doctor's address='auto' probe): the Ray lane with every e2e test.
 RAY_MODULES = {
     "tests/unit/test_ray_actor_resources.py",
     "tests/unit/test_device_bundle.py",
@@ -30,15 +30,24 @@ RAY_MODULES = {
 }
 
 
-def in_ray_group(path: Path) -> bool:
-    rel = path.resolve().relative_to(REPO).as_posix()
-    return rel.startswith("tests/e2e/") or rel in RAY_MODULES
+def in_ray_lane(nodeid: str) -> bool:
+    path = nodeid.split("::", 1)[0]
+    return path.startswith("tests/e2e/") or path in RAY_MODULES
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if in_ray_group(Path(str(item.path))):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed (the MindSpeed venvs)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load-group scheduling with the `ray` group by path (every other test is its own unit), the largest
+    unit first: the Ray lane starts at once on one worker and the other worker takes everything else. Not xdist's
+    xdist_group marks: xdist 3.8 writes the group into ``item._nodeid``, which pytest 9 no longer reads (the marks
+    are silently ignored and Ray tests run on both workers at once, seen in the first parallel run)."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class RayLane(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if in_ray_lane(nodeid) else nodeid
+
+    return RayLane(config, log)
 
 
 def pytest_configure(config):

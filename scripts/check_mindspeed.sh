@@ -12,6 +12,8 @@
 #   bash scripts/check_mindspeed.sh --branch 2.2.0         the field stack's MindSpeed: the distinguishing tests
 #   bash scripts/check_mindspeed.sh --branch 2.2.0 --all   ... the whole of tests/mindspeed/ instead
 #   bash scripts/check_mindspeed.sh --rebuild              delete the branch's venv and build it again
+#   bash scripts/check_mindspeed.sh --prepare              build the venv and the tiny models only (.ci/run starts
+#                                                          both branches' in the background while the main suite runs)
 #   bash scripts/check_mindspeed.sh [--] FILE...           run these test files (or node ids, or pytest options)
 # Caches outside the clone, under GSPO_CI_CACHE (default ~/.cache/gspo-ci); a fresh machine (only Python) fills them
 # once, every later venv and clone reuses them; deleting the folder only costs that first fill again:
@@ -46,12 +48,14 @@ BRANCH=${MINDSPEED_BRANCH:-26.1.0}
 UV_VERSION=0.13.9
 rebuild=0
 all=0
+prepare=0
 while (($#)); do
   case "$1" in
     --branch) BRANCH="${2:-}"; shift 2 || shift ;;
     --branch=*) BRANCH="${1#--branch=}"; shift ;;
     --rebuild) rebuild=1; shift ;;
     --all) all=1; shift ;;
+    --prepare) prepare=1; shift ;;
     *) break ;;
   esac
 done
@@ -171,6 +175,12 @@ echo "mindspeed stack: $versions"
 GSPO_HOME="$CACHE/gspo-home-$(printf '%s\n' "${PINS[0]}" "$(pin transformers requirements-gpu.txt)" | sha256sum | cut -c1-12)"
 export GSPO_HOME
 export MINDSPEED_BRANCH="$BRANCH"  # tests/mindspeed/test_mindspeed_branch.py: the doctor must find this branch
+if ((prepare)); then  # the venv and the tiny models its tests read; no test
+  start=$SECONDS
+  "$VENV/bin/python" -c "from gspo_ascend.tiny import ensure_tiny_model as m; m(); m(moe=True)"
+  echo "check_mindspeed: $BRANCH prepared (venv, tiny models in $GSPO_HOME: $((SECONDS - start)) s)"
+  exit 0
+fi
 
 start=$SECONDS
 rc=0

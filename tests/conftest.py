@@ -21,33 +21,88 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Modules outside tests/e2e/ that start a Ray cluster (ray.init, `ray start`, a training run through Ray) or look for
-# one (doctor's address='auto' probe): the Ray lane with every e2e test.
+# one (doctor's address='auto' probe): in a Ray lane with every e2e test.
 RAY_MODULES = {
     "tests/unit/test_ray_actor_resources.py",
     "tests/unit/test_device_bundle.py",
     "tests/unit/test_scripts.py",
     "tests/unit/test_doctor_env.py",
 }
+# Ray tests that must not run beside another cluster: they start nodes with `ray start` and find them by command line,
+# or probe address='auto' (the two-node run failed beside a second cluster, issue #40). They hold the Ray lock
+# exclusively; every other Ray test holds it shared (ray_lock below).
+RAY_ALONE = {
+    "tests/e2e/test_multinode.py",
+    "tests/e2e/test_disaggregated_multinode.py",
+    "tests/unit/test_scripts.py",
+    "tests/unit/test_doctor_env.py",
+}
+# The second Ray lane: collected last, so the worker that finishes the tests outside Ray takes it while the first
+# lane is still running, and both workers end together (sized by the measured lane times, docs/testing.md).
+RAY_TAIL = {
+    "tests/e2e/test_train_e2e.py",
+    "tests/e2e/test_train_faults.py",
+    "tests/e2e/test_train_ulysses_e2e.py",
+    "tests/e2e/test_weights_lag_e2e.py",
+    "tests/unit/test_device_bundle.py",
+    "tests/unit/test_ray_actor_resources.py",
+}
 
 
-def in_ray_lane(nodeid: str) -> bool:
+def ray_lane(nodeid: str) -> str | None:
+    """The Ray lane a test runs in ("ray", or "ray-tail" for RAY_TAIL), None for a test that starts no Ray."""
     path = nodeid.split("::", 1)[0]
-    return path.startswith("tests/e2e/") or path in RAY_MODULES
+    if not (path.startswith("tests/e2e/") or path in RAY_MODULES):
+        return None
+    return "ray-tail" if path in RAY_TAIL else "ray"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The first Ray lane first, its RAY_ALONE tests at its head (they run before the second lane can start), and
+    the second lane last; a stable sort, so each group keeps its order. The scheduler below hands work out in it."""
+    rank = {"ray": 1, None: 2, "ray-tail": 3}
+
+    def key(item) -> int:
+        alone = item.nodeid.split("::", 1)[0] in RAY_ALONE
+        return 0 if alone and ray_lane(item.nodeid) == "ray" else rank[ray_lane(item.nodeid)]
+
+    items.sort(key=key)
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed (the MindSpeed venvs)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's load-group scheduling with the `ray` group by path (every other test is its own unit), the largest
-    unit first: the Ray lane starts at once on one worker and the other worker takes everything else. Not xdist's
-    xdist_group marks: xdist 3.8 writes the group into ``item._nodeid``, which pytest 9 no longer reads (the marks
-    are silently ignored and Ray tests run on both workers at once, seen in the first parallel run)."""
+    """xdist's load-group scheduling with the Ray lanes by path (every other test is its own unit), in collection
+    order: one worker starts the first lane at once, the other takes the tests outside Ray one by one and then the
+    second lane. Not xdist's xdist_group marks: xdist 3.8 writes the group into ``item._nodeid``, which pytest 9 no
+    longer reads (the marks were silently ignored and Ray tests ran on both workers at once, seen in the first
+    parallel run)."""
     from xdist.scheduler import LoadGroupScheduling
 
-    class RayLane(LoadGroupScheduling):
+    class RayLanes(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "ray" if in_ray_lane(nodeid) else nodeid
+            return ray_lane(nodeid) or nodeid
 
-    return RayLane(config, log)
+    config.option.loadscopereorder = False  # collection order, not largest unit first
+    return RayLanes(config, log)
+
+
+@pytest.fixture(autouse=True)
+def ray_lock(request):
+    """Two Ray tests may overlap (the lanes' ends), never a RAY_ALONE test and another Ray test: a file lock per
+    test run, exclusive for RAY_ALONE, shared for the rest. Tests that start no Ray take no lock."""
+    lane = ray_lane(request.node.nodeid)
+    if lane is None:
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    run = getattr(request.config, "workerinput", {}).get("testrunuid", str(os.getpid()))
+    alone = request.node.nodeid.split("::", 1)[0] in RAY_ALONE
+    with open(Path(tempfile.gettempdir()) / f"gspo-tests-ray-{run}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
 
 
 def pytest_configure(config):

@@ -151,6 +151,10 @@ class TrainerConfig:
     experiment_name: str = ""  # wandb run name; "" = the output directory's name
     test_freq: int = 0  # steps between validations on data.val_files (and the last step); 0 = off (verl's name)
     val_before_train: bool = False  # validate the initial weights first (logged as step 0; a resume skips it)
+    # torch intra-op threads per Ray actor when the devices are the CPU (cpu, or npu on the shim); 0 = the node's
+    # CPUs / the run's actors. A reduction split over another number of threads rounds differently, so two runs
+    # compared bitwise with different actor counts (colocated against pools) must fix it
+    cpu_threads: int = 0
 
 
 @dataclass
@@ -456,6 +460,8 @@ def _positive_sizes(cfg: Config) -> Iterable[str]:
     for key in ("actor.micro_batch_size", "actor.max_tokens_per_micro_batch", "trainer.keep_last"):
         if get(cfg, key) is not None and get(cfg, key) <= 0:
             yield f"config key '{key}' must be > 0 or null, got {get(cfg, key)}"
+    if cfg.trainer.cpu_threads < 0:
+        yield f"config key 'trainer.cpu_threads' must be >= 0 (0 = CPUs / actors), got {cfg.trainer.cpu_threads}"
     if cfg.trainer.save_freq < 0:
         yield f"config key 'trainer.save_freq' must be >= 0 (0 = save at the end only), got {cfg.trainer.save_freq}"
 

@@ -744,7 +744,10 @@ def ensure_tiny_model(
     spec = manifest.get("spec")
     spec = {**asdict(TinySpec(moe=moe)), **spec} if isinstance(spec, dict) else spec
     found = (manifest.get("recipe_version"), manifest.get("seed"), spec, manifest.get("device", "cpu"))
-    if found != (RECIPE_VERSION, seed, wanted, built_on):
+    # a preset on the CPU must be the portable build (make_tiny_model's default): a cache built otherwise (e.g. by
+    # portable=False, or during the recipe-3 work) is this CPU's model, not the one every machine gets
+    stale = built_on == "cpu" and not overrides and manifest.get("portable") is not True
+    if found != (RECIPE_VERSION, seed, wanted, built_on) or stale:
         make_tiny_model(out, moe=moe, seed=seed, size=size, device=device, **overrides)
     return out
 

@@ -268,7 +268,13 @@ class WorkerGroup:
         actors = max(actors, self.world_size)
         _init_ray(backend, actors)
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        threads = max(1, cpus // actors) if backend.ray_resource is None or backend.emulated else 1
+        on_cpu = backend.ray_resource is None or backend.emulated
+        if cfg.trainer.cpu_threads and not on_cpu:
+            raise UserError(
+                f"config key 'trainer.cpu_threads' sets CPU threads for CPU devices; this run is on {backend.name}: "
+                "remove it (or set 0)"
+            )
+        threads = (cfg.trainer.cpu_threads or max(1, cpus // actors)) if on_cpu else 1
         bundle = {"CPU": threads} if backend.ray_resource is None else {"CPU": 1, backend.ray_resource: 1}
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         if not _wait_ready(self.pg, timeout_s=120):

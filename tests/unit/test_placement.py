@@ -255,3 +255,33 @@ def test_worker_group_stops_on_a_group_ordering_cannot_save(monkeypatch, tmp_pat
     assert isinstance(error, UserError), error
     assert "vLLM rollout tensor-parallel group of ranks [2, 3] spans 2 nodes" in str(error)
     assert scheduled[-1] == "removed"  # the actors' bundles are given back before the error is raised
+
+
+@pytest.mark.parametrize("threads, expected", [(0, 4), (1, 1)])  # the fake cluster: 8 CPUs, 2 actors
+def test_cpu_threads_per_actor(monkeypatch, tmp_path, threads, expected):
+    from gspo_ascend.device import CPU
+    from gspo_ascend.workers import WorkerGroup
+
+    started: list = []
+    modules = _fake_ray({0: A, 1: A}, [])
+    options = modules["ray"].remote(None).options
+    wrapped = lambda **kw: SimpleNamespace(remote=lambda *a: started.append(a[-1]) or options(**kw).remote(*a))  # noqa: E731
+    monkeypatch.setattr(modules["ray"], "remote", lambda cls: SimpleNamespace(options=wrapped))
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cfg = _cfg(**{"trainer.output_dir": str(tmp_path), "trainer.devices_per_node": 2, "trainer.cpu_threads": threads})
+    WorkerGroup(cfg, CPU, str(tmp_path))
+    assert started == [expected, expected]  # each actor's torch.set_num_threads
+
+
+def test_cpu_threads_is_refused_off_the_cpu(monkeypatch, tmp_path):
+    from gspo_ascend.device import CUDA
+    from gspo_ascend.workers import WorkerGroup
+
+    for name, module in _fake_ray({0: A}, []).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cfg = _cfg(**{"trainer.output_dir": str(tmp_path), "trainer.cpu_threads": 2})
+    with pytest.raises(UserError, match="'trainer.cpu_threads' sets CPU threads for CPU devices; this run is on cuda"):
+        WorkerGroup(cfg, CUDA, str(tmp_path))
+    with pytest.raises(Exception, match="'trainer.cpu_threads' must be >= 0"):
+        load_config(None, ["trainer.cpu_threads=-1"])

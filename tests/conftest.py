@@ -49,9 +49,13 @@ RAY_TAIL = {
 }
 
 
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def ray_lane(nodeid: str) -> str | None:
     """The Ray lane a test runs in ("ray", or "ray-tail" for RAY_TAIL), None for a test that starts no Ray."""
-    path = nodeid.split("::", 1)[0]
+    path = module_of(nodeid)
     if not (path.startswith("tests/e2e/") or path in RAY_MODULES):
         return None
     return "ray-tail" if path in RAY_TAIL else "ray"
@@ -64,8 +68,8 @@ def pytest_collection_modifyitems(config, items):
     rank = {"ray": 1, None: 2, "ray-tail": 3}
 
     def key(item) -> int:
-        alone = item.nodeid.split("::", 1)[0] in RAY_ALONE
-        return 0 if alone and ray_lane(item.nodeid) == "ray" else rank[ray_lane(item.nodeid)]
+        lane = ray_lane(item.nodeid)
+        return 0 if lane == "ray" and module_of(item.nodeid) in RAY_ALONE else rank[lane]
 
     items.sort(key=key)
 
@@ -99,15 +103,15 @@ def ray_lock(request):
     import tempfile
 
     run = getattr(request.config, "workerinput", {}).get("testrunuid", str(os.getpid()))
-    alone = request.node.nodeid.split("::", 1)[0] in RAY_ALONE
+    alone = module_of(request.node.nodeid) in RAY_ALONE
     with open(Path(tempfile.gettempdir()) / f"gspo-tests-ray-{run}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield
 
 
 def pytest_configure(config):
-    """On the controller of a parallel run (not in a worker, not in a serial run): the embedded tiny models, built
-    once before the workers start (a no-op when they are in the cache)."""
+    """In a worker: one intra-op thread. On the controller of a parallel run: the embedded tiny models, built once
+    before the workers start (a no-op when they are in the cache). A serial run does neither."""
     if hasattr(config, "workerinput"):
         # a worker: one intra-op thread for its in-process tensors, since two workers already fill the 2 cores and
         # two OpenMP pools spinning against each other slow small ops ~10-40x (see one_thread); subprocesses a

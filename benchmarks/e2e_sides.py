@@ -31,7 +31,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 MINIBATCHES = 4  # the GSPO paper's optimizer steps per rollout batch
@@ -99,43 +98,6 @@ class Channel:
         """True on ``go``, False on ``stop`` (or a closed pipe)."""
         line = sys.stdin.readline().strip()
         return line == "go"
-
-
-def peak_rss_mib(pids: list[int]) -> float:
-    """Sum of the processes' peak resident set sizes (VmHWM), MiB; 0 for a process that is gone."""
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1])  # kB
-        except OSError:
-            continue
-    return total / 1024
-
-
-def descendants(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def ray_workers(prefix: str | tuple[str, ...] = "ray::PolicyWorker") -> list[int]:
-    """The Ray actor processes named ``prefix`` (one or several) among this process's descendants, and their
-    children (vLLM's engine core): ours by default, verl's model holders for its side (verl_side/side.py)."""
-    import psutil
-
-    pids = []
-    for pid in descendants(os.getpid()):
-        try:
-            if " ".join(psutil.Process(pid).cmdline()).startswith(prefix):
-                pids += [pid, *descendants(pid)]
-        except psutil.Error:
-            continue
-    return sorted(set(pids))
 
 
 # ----------------------------------------------------------------------------------------------- our side
@@ -227,6 +189,8 @@ def run_our_side(side: Side, cfg, channel: Channel) -> None:
             step += 1
             report = our_step_report(trainer.train_step(run, step), probe, cfg)
             channel.send("step", **report, **({"validation_before": before} if step == 1 else {}))
+        from procstats import peak_rss_mib, ray_workers
+
         channel.send("done", peak_rss_mib=peak_rss_mib(ray_workers()), logs=[])
     finally:
         trainer.stop(run)

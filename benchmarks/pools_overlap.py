@@ -56,7 +56,7 @@ def run_side(side: str, steps: int, work: Path) -> list[dict]:
 
 def generation_s(step: int, ranks: int) -> float:
     """The rollout pool's sleep for batch ``step`` (simulated.py draws it from the step's seed): the slowest rank."""
-    seed = 0 * 1_000_003 + step  # trainer.seed 0: trainer.rollout_params
+    seed = 0 * 1_000_003 + step  # trainer.seed 0: schedules.base.rollout_params
     per_rank = B // ranks
     seeds = [seed + 7919 * g for g in range(ranks)]  # split_rollout_prompts: rank g's seed
     return max(SPEC.generation_s(SPEC.lengths(per_rank * N, R, s * 7919 + per_rank)) for s in seeds)

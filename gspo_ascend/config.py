@@ -193,9 +193,9 @@ class DynamicSamplingConfig:
 
 @dataclass
 class RolloutPoolConfig:
-    """Disaggregated rollout (workers.py, pipeline.py, docs/disaggregated.md): the rollout engines on devices of
+    """Disaggregated rollout (pools.py, schedules/pool.py, docs/disaggregated.md): the rollout engines on devices of
     their own, the trainer's weights sent to them over a sync group. max_staleness=1 (one-step-off): the next batch
-    is generated while this one trains; eta > 1: the next eta batches, from one weights version (pipeline.py)."""
+    is generated while this one trains; eta > 1: the next eta batches, from one weights version (schedules/pool.py)."""
 
     devices_per_node: int = 0  # 0 = colocated: the trainer's devices generate (every other key here is then inert)
     nnodes: int = 1
@@ -742,7 +742,7 @@ def _rollout_pool(cfg: Config) -> Iterable[str]:
         yield f"config key 'rollout_pool.sync_bucket_mb' must be >= 1, got {pool.sync_bucket_mb}"
     for key, on in (("partial_rollout.round_tokens", cfg.partial_rollout.round_tokens is not None),
                     ("dynamic_sampling.enabled", cfg.dynamic_sampling.enabled)):  # fmt: skip
-        if on and pool.max_staleness > 1:  # rounds one step ahead (pipeline.RoundsAhead), or in step (0)
+        if on and pool.max_staleness > 1:  # rounds one step ahead (schedules/rounds_ahead.py), or in step (0)
             yield (
                 f"config key '{key}' runs with 'rollout_pool.max_staleness' 0 (rounds between the updates) or 1 "
                 f"(rounds one step ahead), got {pool.max_staleness}: set rollout_pool.max_staleness=1"

@@ -18,10 +18,12 @@ the console shows a progress bar with six key figures (plain text, no escape cod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -317,3 +319,24 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     if not path.is_file():
         raise UserError(f"no metrics file at {path}; pass a run directory (trainer.output_dir) or its {JSONL_NAME}")
     return _parse_lines(path.read_text(encoding="utf-8"), path)
+
+
+class Timer:
+    """Wall time per stage -> ``time/<stage>_s``, ``time/step_s`` and ``perf/tokens_per_s``."""
+
+    def __init__(self) -> None:
+        self.start, self.spans = time.perf_counter(), {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        """Adds the time spent inside to stage ``name`` (a stage may run several times in a step: rounds)."""
+        t0 = time.perf_counter()
+        yield
+        self.spans[name] = self.spans.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        total = time.perf_counter() - self.start
+        return {f"time/{k}_s": v for k, v in self.spans.items()} | {
+            "time/step_s": total,
+            "perf/tokens_per_s": tokens / total if total > 0 else 0.0,
+        }

@@ -26,8 +26,8 @@ Invariants (tests/unit/test_partial_rollout.py checks them under random lengths 
   FIFO training then trains every group within ``max_rounds - 1`` steps of its admission (the proof is in
   docs/partial-rollout.md);
 - with one round (``round_tokens >= data.max_response_length``), no extra groups and no dynamic sampling a step
-  draws, generates, scores and trains exactly what :func:`gspo_ascend.trainer.rollout` does (bitwise, one rollout
-  group: the request seeds are ``generate``'s).
+  draws, generates, scores and trains exactly what the synchronous schedule (schedules/synchronous.py) does
+  (bitwise, one rollout group: the request seeds are ``generate``'s).
 
 Dynamic sampling (``dynamic_sampling.enabled``; verl's DAPO ``filter_groups``): a scored group whose n rewards are
 all equal has zero advantage everywhere and teaches nothing, so it is dropped and a replacement prompt group is

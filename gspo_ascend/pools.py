@@ -7,7 +7,7 @@ world, so megatron's parallel state and vLLM's external launcher see only their 
 rollout rank form the sync group (weight_sync.py), built once. :class:`DisaggregatedWorkers` answers the colocated
 group's calls (the trainer's stages go to the trainer pool, generation to the rollout pool), so the driver's code
 is the same for both, plus :meth:`~DisaggregatedWorkers.submit` for generation the driver does not wait for
-(pipeline.py).
+(schedules/pool.py).
 
 How we differ from verl's one-step-off (``verl/experimental/one_step_off_policy``): no second trainer class and no
 AgentLoop server mode; the same offline engines, the same worker class with role flags, and the version of the

@@ -34,8 +34,7 @@ class Run:
     start_step: int = 0
     lock: Any = None  # rundir.RunLock on output_dir, released by trainer.stop
     val_set: Any = None  # validation.ValSet; None = validation off
-    scheduler: Any = None  # partial_rollout.RolloutScheduler with partial rollout or dynamic sampling; else None
-    pipeline: Any = None  # pipeline.Pipeline with a rollout pool (rollout_pool.devices_per_node > 0); else None
+    schedule: Any = None  # schedules.Schedule: how each step's batch is produced, started with the workers
 
     def __post_init__(self) -> None:
         if self.reward_log is None:  # training's and validation's scorer failures (opens no file until one)

@@ -201,7 +201,7 @@ def heldout(metrics: dict[str, Any]) -> dict[str, float]:
 
 def run_verl_side(side, spec: VerlSpec, channel, work: Path) -> None:
     """The side's life: start verl, ``ready`` when its trainer waits before step 1, one step per ``go``."""
-    from e2e_sides import peak_rss_mib, ray_workers
+    from procstats import peak_rss_mib, ray_workers
 
     t0 = time.perf_counter()
     turns, log = work / f"{side.name}-turns", work / f"{side.name}-verl.log"
@@ -235,7 +235,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     """verl's driver and every process it started (its own Ray cluster: ``ray stop`` would take the other sides'
     clusters down too)."""
     import psutil
-    from e2e_sides import descendants
+    from procstats import descendants
 
     children = descendants(proc.pid)
     if proc.poll() is None:

@@ -7,12 +7,19 @@ megatron_utils.py: offload_megatron_model_to_cpu, offload_megatron_grad_to_cpu, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .megatron import MegatronEngine
+
+class MegatronEngine(Protocol):
+    """What offloading reads of megatron.MegatronEngine (a protocol: that module imports this one)."""
+
+    models: list[Any]  # megatron-core's DDP-wrapped model chunks
+    device: torch.device
+
+    def _sub_optimizers(self) -> list[Any]: ...
+
 
 OFFLOAD_PARTS = ("params", "grads", "optimizer")
 

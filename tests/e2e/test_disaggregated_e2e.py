@@ -1,5 +1,5 @@
 """Disaggregated rollout end to end, through the CLI and Ray on CPU (tiny model, hf rollout): a trainer pool of one
-rank and a rollout pool of one rank, joined by the gloo sync group (pools.py, pipeline.py, weight_sync.py).
+rank and a rollout pool of one rank, joined by the gloo sync group (pools.py, schedules/pool.py, weight_sync.py).
 
 - ``max_staleness=0`` is the colocated run, bitwise: every metric the colocated run logs (the sync's bytes too)
   and the final weights, 4 steps.
@@ -69,7 +69,7 @@ def test_one_step_off_and_a_resume_with_the_batch_in_flight(tmp_path):
 
 
 def test_two_steps_off_groups_two_batches_per_sync_and_resumes_with_both_in_flight(tmp_path):
-    """max_staleness=2: a sync every 2 steps, the pool 2 batches ahead (pipeline.py): staleness 0, 1, 2, 1, 2, 1;
+    """max_staleness=2: a sync every 2 steps, the pool 2 batches ahead (schedules/pool.py): staleness 0, 1, 2, 1, 2, 1;
     the step-3 checkpoint holds batches 4 and 5 (both from version 2), and the resume from it is the uninterrupted
     run, bitwise."""
     common = (*POOL, "rollout_pool.max_staleness=2", "trainer.save_freq=3", "trainer.total_steps=6")
@@ -141,7 +141,7 @@ def test_partial_rollout_on_a_rollout_pool_is_the_colocated_partial_run(tmp_path
 
 
 def test_partial_rollout_one_step_ahead_and_a_resume_with_its_rounds_in_flight(tmp_path):
-    """max_staleness=1 with partial rollout and dynamic sampling (pipeline.RoundsAhead): step k + 1's rounds run on
+    """max_staleness=1 with partial rollout and dynamic sampling (schedules/rounds_ahead.py): step k + 1's rounds run on
     the rollout pool, one version behind, while step k trains. Batch 1 from the initial weights, every later batch
     at staleness 1 with continued samples up to 1 + max_rounds - 1 old, corrected; the step-2 checkpoint holds
     step 3's rounds, and the resume from it is the uninterrupted run, bitwise."""

@@ -106,3 +106,13 @@ def test_wheel_ships_patches_env_and_configs(tmp_path):
     assert "gspo_ascend/device/shim/npu_ops.py" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "gspo-ascend = gspo_ascend.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_pyproject_lists_every_subpackage():
+    """pyproject names the wheel's packages by hand: a subpackage left out imports from a checkout and fails from
+    the wheel (read from the source tree, not from a build: setuptools' build/ keeps stale copies)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "gspo_ascend").rglob("__init__.py")}
+    assert found - listed == set(), "add them to [tool.setuptools] packages in pyproject.toml"

@@ -331,7 +331,7 @@ def test_weight_on_the_advantage_is_the_weight_on_the_loss():
         (["algorithm.behavior_cap=3"], "algorithm.behavior_cap"),  # nothing is stale without partial rollout
         (["rollout_pool.max_staleness=0"], "rollout_pool.max_staleness"),  # no pool
         (["rollout_pool.devices_per_node=1", "rollout_pool.max_staleness=-1"], "rollout_pool.max_staleness"),
-        (  # rounds run one step ahead at most (pipeline.RoundsAhead)
+        (  # rounds run one step ahead at most (schedules/rounds_ahead.py)
             ["rollout_pool.devices_per_node=1", "rollout_pool.max_staleness=2", "partial_rollout.round_tokens=32"],
             "partial_rollout.round_tokens",
         ),
@@ -391,7 +391,7 @@ def test_worker_group_cuts_requests_into_one_run_per_rollout_group():
 
 
 def test_rounds_one_step_ahead_stamp_the_pool_version_and_count_lags_from_the_trainer():
-    """pipeline.RoundsAhead runs step k's rounds with the rollout pool one version behind the trainer: the tokens
+    """schedules/rounds_ahead.py runs step k's rounds with the rollout pool one version behind the trainer: the tokens
     carry the pool's version (``version=``), the lags are counted from step - 1 (the version that trains them), so
     every token is at least one version old and none more than 1 + max_rounds - 1."""
     sampler, engine = Sampler(2), FakeEngine(stop=0.05)

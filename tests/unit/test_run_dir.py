@@ -222,6 +222,7 @@ import torch
 from gspo_ascend import trainer
 from gspo_ascend.config import load_config
 from gspo_ascend.errors import UserError
+from gspo_ascend.schedules.synchronous import Synchronous
 
 out = Path(sys.argv[1])
 size = {"n": 1}
@@ -232,9 +233,9 @@ class Workers:
 class Sampler:
     def state_dict(self):
         return {"epoch": 0, "position": 0}
-run = types.SimpleNamespace(output_dir=out, workers=Workers(), sampler=Sampler(), model_path=str(out), scheduler=None,
-                            pipeline=None,
+run = types.SimpleNamespace(output_dir=out, workers=Workers(), sampler=Sampler(), model_path=str(out),
                             cfg=load_config(overrides=[f"trainer.output_dir={out}"]))
+run.schedule = Synchronous(run)
 trainer.save_checkpoint(run, 1)
 size["n"] = 1 << 19
 try:

@@ -40,7 +40,7 @@ def install(*, npu: bool = True, cuda: bool = False, mindspeed: bool = False, mc
     if mindspeed and not _state["mindspeed"]:
         from . import mindspeed_support
 
-        mindspeed_support.install_mindspeed_support()
+        mindspeed_support.install_mindspeed_support(lambda: install(npu=False, cuda=True))
         _state["mindspeed"] = True
     if mc2:
         from . import mindspeed_support

@@ -20,6 +20,7 @@ import importlib.machinery
 import os
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,10 +80,11 @@ class _TransferToNpuLoader(importlib.abc.Loader):
         module.__all__ = []  # the real module exports nothing either
         return module
 
-    def exec_module(self, module: types.ModuleType) -> None:
-        from . import install
+    def __init__(self, redirect_cuda: Callable[[], None]) -> None:
+        self.redirect_cuda = redirect_cuda
 
-        install(npu=False, cuda=True)
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.redirect_cuda()
         contrib = sys.modules.get("torch_npu.contrib")
         if contrib is not None:
             contrib.transfer_to_npu = module
@@ -140,11 +142,15 @@ def _after_builder_exec(module: types.ModuleType) -> None:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Serves the transfer_to_npu stand-in and hooks the import of MindSpeed's builder module."""
+    """Serves the transfer_to_npu stand-in and hooks the import of MindSpeed's builder module. ``redirect_cuda``
+    is the shim's ``install(cuda=True)``, passed in by the shim package (which imports this module)."""
+
+    def __init__(self, redirect_cuda: Callable[[], None]) -> None:
+        self.redirect_cuda = redirect_cuda
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == "torch_npu.contrib.transfer_to_npu":
-            return importlib.machinery.ModuleSpec(fullname, _TransferToNpuLoader())
+            return importlib.machinery.ModuleSpec(fullname, _TransferToNpuLoader(self.redirect_cuda))
         if fullname != _BUILDER_MODULE:
             return None
         return spec_with_after_exec(self, fullname, path, target, _after_builder_exec)
@@ -411,8 +417,9 @@ def install_mc2_support() -> None:
     torch._C._get_accelerator = _get_accelerator
 
 
-def install_mindspeed_support() -> None:
-    """Install the stand-ins (idempotent). Needs the NPU half of the shim (``shim.install(npu=True)``)."""
+def install_mindspeed_support(redirect_cuda: Callable[[], None]) -> None:
+    """Install the stand-ins (idempotent). Needs the NPU half of the shim (``shim.install(npu=True)``);
+    ``redirect_cuda`` installs the shim's CUDA redirection (importing transfer_to_npu calls it)."""
     global _saved, _finder
     if _saved is not None:
         return
@@ -442,7 +449,7 @@ def install_mindspeed_support() -> None:
     torch_npu._C = c
     sys.modules["torch_npu._C"] = c
     sys.modules["torch_npu._C._distributed_c10d"] = c10d
-    _finder = _Finder()
+    _finder = _Finder(redirect_cuda)
     sys.meta_path.insert(0, _finder)
     if _BUILDER_MODULE in sys.modules:  # MindSpeed's builders imported before the shim: seed the cache now (its
         # kernels registered so far have no CPU alias: install the shim before importing MindSpeed)

@@ -206,6 +206,19 @@ class RolloutPoolConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """Multi-turn rollout with tool calls (agent_loop.py, tools/, docs/agent.md): trajectories of model turns and
+    tool turns; the loss trains the model's tokens only. Off while ``names`` is empty (single-turn rollout)."""
+
+    names: list[str] = field(default_factory=list)  # "calculator", "python", or package.module:function
+    max_turns: int = 4  # model turns per trajectory at most (the last one's calls are not run)
+    max_calls_per_turn: int = 4  # calls one model turn may make; more are one malformed call
+    timeout_s: float = 10.0  # per call, in the tool's worker process (killed and replaced past it)
+    max_output_chars: int = 2048  # a longer result is an error the model is told
+    num_workers: int = 2  # tool worker processes (spawned at the first call)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -218,6 +231,7 @@ class Config:
     partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     rollout_pool: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
 
 # ----------------------------------------------------------------------------------------------- schema walk
@@ -574,6 +588,33 @@ def _reward(cfg: Config) -> Iterable[str]:
         yield f"config key 'reward.max_failure_rate' must be in [0, 1] (1 = never stop), got {r.max_failure_rate}"
     if r.timeout_s is not None and r.timeout_s < 0:
         yield f"config key 'reward.timeout_s' must be >= 0 (0 = no limit), got {r.timeout_s}"
+
+
+@validator
+def _tools(cfg: Config) -> Iterable[str]:
+    t = cfg.tools
+    if not t.names:
+        yield from _inert("tools", t, ("max_turns", "max_calls_per_turn", "timeout_s", "max_output_chars",
+                                       "num_workers"), "'tools.names' (the tools a model may call)")  # fmt: skip
+        return
+    for key in ("max_turns", "max_calls_per_turn", "max_output_chars", "num_workers"):
+        if getattr(t, key) < 1:
+            yield f"config key 'tools.{key}' must be >= 1, got {getattr(t, key)}"
+    if t.timeout_s <= 0:
+        yield f"config key 'tools.timeout_s' must be > 0, got {t.timeout_s}"
+    # not wired with multi-turn trajectories yet (issue #45): refused, not silently single-turn
+    elsewhere = {
+        "partial_rollout.round_tokens": cfg.partial_rollout.round_tokens is not None,
+        "dynamic_sampling.enabled": cfg.dynamic_sampling.enabled,
+        "rollout_pool.devices_per_node": cfg.rollout_pool.devices_per_node > 0,
+        "rollout.weights_lag": cfg.rollout.weights_lag > 0,
+    }
+    for key, on in elsewhere.items():
+        if on:
+            yield (
+                f"config key '{key}' does not work with tool calls yet (tools.names): multi-turn rollout runs "
+                "colocated and synchronous; unset it or leave tools.names empty"
+            )
 
 
 def data_parallel_size(cfg: Config) -> int:

@@ -84,7 +84,7 @@ def main_eval(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    with generator(cfg, backend, model_path, args.ray) as generate_each:
+    with generator(cfg, backend, model_path, args.ray, tokenizer) as generate_each:
         progress.start()
         result = evaluate(val_set, generate_each, cfg, tokenizer, progress)
     report = build_report(cfg, model_path, val_set, result.metrics, progress.elapsed(), args.ray)
@@ -97,8 +97,9 @@ def main_eval(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def generator(cfg: Any, backend: Any, model_path: str, use_ray: bool) -> Iterator[Any]:
-    """``generate_each`` over one in-process rollout engine, or over rollout-only Ray workers."""
+def generator(cfg: Any, backend: Any, model_path: str, use_ray: bool, tokenizer: Any = None) -> Iterator[Any]:
+    """``generate_each`` over one in-process rollout engine, or over rollout-only Ray workers; with
+    ``tools.names``, over trajectories of model and tool turns (agent_loop.py)."""
     from .validation import sequential
 
     if use_ray:
@@ -106,7 +107,8 @@ def generator(cfg: Any, backend: Any, model_path: str, use_ray: bool) -> Iterato
 
         group = WorkerGroup(cfg, backend, model_path, train=False)
         try:
-            yield group.generate_each
+            with _with_tools(cfg, tokenizer, group.generate_requests) as agent:
+                yield agent or group.generate_each
         finally:
             group.shutdown()
         return
@@ -115,11 +117,30 @@ def generator(cfg: Any, backend: Any, model_path: str, use_ray: bool) -> Iterato
     backend.set_device(0)
     engine = build_rollout_engine(cfg, backend, model_path)
     try:
-        yield sequential(engine)
+        with _with_tools(cfg, tokenizer, engine.generate_requests) as agent:
+            yield agent or sequential(engine)
     finally:
         close = getattr(engine, "close", None)
         if callable(close):
             close()
+
+
+@contextlib.contextmanager
+def _with_tools(cfg: Any, tokenizer: Any, generate_requests: Any) -> Iterator[Any]:
+    """Trajectories' ``generate_each`` when the config names tools (None otherwise); its tool workers stop after."""
+    if not cfg.tools.names:
+        yield None
+        return
+    from .agent_loop import ToolTurns, trajectories_each
+    from .tools.toolbox import ToolBox
+
+    t = cfg.tools
+    box = ToolBox(t.names, timeout_s=t.timeout_s, max_output_chars=t.max_output_chars, num_workers=t.num_workers)
+    try:
+        turns = ToolTurns(tokenizer, tokenizer.decode(tokenizer.eos_token_id))
+        yield trajectories_each(generate_requests, box, turns, t, tokenizer.pad_token_id)
+    finally:
+        box.close()
 
 
 class Progress:

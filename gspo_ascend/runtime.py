@@ -105,6 +105,7 @@ def prepare(cfg: Config) -> Run:
     from .resume import check_resume
     from .rewards import load_reward_fn
     from .rundir import check_writable, open_run_dir
+    from .tools.registry import tool_schemas
     from .validation import prepare_val_set
 
     backend = get_backend(cfg.trainer.device)
@@ -123,6 +124,7 @@ def prepare(cfg: Config) -> Run:
         d.max_prompt_length,
         d.overlong_prompts,
         answer_key=d.answer_key,
+        tools=tool_schemas(cfg.tools.names),  # a tool that cannot be used fails here, before anything starts
     )
     report_filtered(dataset, d.max_prompt_length)  # over-long prompts left out: said once
     sampler = PromptSampler(len(dataset), d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)

@@ -165,7 +165,7 @@ def correct_behavior(run: Run, batch: SampleBatch, stale: torch.Tensor, *, apply
 
     prox = batch.old_log_probs if apply else run.workers.compute_log_probs(batch, run.cfg.rollout.temperature)
     weights, metrics = behavior_weights(
-        prox, batch.rollout_log_probs, stale, batch.response_mask, run.cfg.algorithm.behavior_cap
+        prox, batch.rollout_log_probs, stale, batch.trained_mask, run.cfg.algorithm.behavior_cap
     )
     if apply:
         batch.advantages = batch.advantages * weights
@@ -174,7 +174,7 @@ def correct_behavior(run: Run, batch: SampleBatch, stale: torch.Tensor, *, apply
 
 def batch_metrics(batch: SampleBatch) -> dict[str, float]:
     lengths = batch.response_lengths.float()
-    mask = batch.response_mask.bool()
+    mask = batch.trained_mask.bool()  # the gap at the model's own tokens (a tool turn has no engine log-probs)
     metrics = {
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
@@ -212,8 +212,7 @@ def start(run: Run) -> None:
             raise load_failure(run.resume_from, exc) from None
         if hasattr(run.workers, "rollout_version"):  # two pools: the loaded weights' version
             run.workers.version = int(state["step"])
-        run.schedule.resume(run.resume_from)  # what was in flight; the rollout side gets the loaded weights
-        run.sampler.load_state_dict(state["sampler"])
+        run.schedule.resume(run.resume_from, state["sampler"])  # in flight, the sampler; the weights to rollout
         load_rng(run.resume_from)
         run.start_step = int(state["step"])
         print(f"resumed from {run.resume_from} at step {run.start_step}", flush=True)

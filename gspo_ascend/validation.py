@@ -214,6 +214,7 @@ def load_val_set(cfg: Any, tokenizer: Any, model_path: str, files: list[str] | N
     """The validation prompts of ``files`` (default: :func:`resolve_val_files`), tokenized like training prompts;
     one line (exit 2) for a missing, unreadable or empty file, or when there is none."""
     from .data import load_prompts, report_filtered
+    from .tools.registry import tool_schemas
 
     files = resolve_val_files(cfg) if files is None else files
     if not files:
@@ -225,8 +226,9 @@ def load_val_set(cfg: Any, tokenizer: Any, model_path: str, files: list[str] | N
     d = cfg.data
     try:
         data = load_prompts(
-            files, d.prompt_key, tokenizer, d.max_prompt_length, d.overlong_prompts, answer_key=d.answer_key
-        )
+            files, d.prompt_key, tokenizer, d.max_prompt_length, d.overlong_prompts, answer_key=d.answer_key,
+            tools=tool_schemas(cfg.tools.names),
+        )  # fmt: skip
     except UserError as exc:
         raise UserError(f"data.val_files: {exc}") from None
     keep = select_prompts(len(data), cfg.validation.max_prompts)
@@ -409,11 +411,11 @@ def is_due(run: Any, step: int) -> bool:
 
 def validate(run: Any, step: int) -> dict[str, float]:
     start = time.perf_counter()
-    result = evaluate(run.val_set, run.workers.generate_each, run.cfg, run.tokenizer)
+    result = evaluate(run.val_set, run.schedule.validation_generate(), run.cfg, run.tokenizer)
     v = run.cfg.validation
     write_generations(run.output_dir / VAL_DIR / f"step_{step:08d}.jsonl", result.rows, v.log_prompts, v.n)
     log_failures(run.reward_log, result, step)
-    return result.metrics | {"time/validation_s": time.perf_counter() - start}
+    return result.metrics | run.schedule.validation_metrics() | {"time/validation_s": time.perf_counter() - start}
 
 
 def log_failures(log: Any, result: Evaluation, step: int | None = None, phase: str = "validation") -> None:

@@ -98,10 +98,10 @@ def _file_rows(path: Path, prompt_key: str, answer_key: str) -> list[dict]:
     return read_rows(path, list(dict.fromkeys(wanted)))
 
 
-def _template(tokenizer, messages: list[dict], where: str) -> str:
+def _template(tokenizer, messages: list[dict], where: str, tools: list[dict] | None = None) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"the tokenizer has no chat template, needed to render the prompt at {where}")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
 def load_prompts(
@@ -112,8 +112,10 @@ def load_prompts(
     overlong: str = "filter",
     *,
     answer_key: str = "answer",
+    tools: list[dict] | None = None,
 ) -> PromptDataset:
-    """Read, chat-template and tokenize every prompt of ``files``; ``overlong``: "filter" or "error"."""
+    """Read, chat-template and tokenize every prompt of ``files``; ``overlong``: "filter" or "error"; ``tools``: the
+    JSON schemas the template puts before the conversation (multi-turn rollout with tool calls)."""
     if overlong not in ("filter", "error"):
         raise UserError(f"data.overlong_prompts must be 'filter' or 'error', got '{overlong}'")
     paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
@@ -124,7 +126,7 @@ def load_prompts(
         rows = _file_rows(path.expanduser(), prompt_key, answer_key)
         wheres = [f"'{path}' row {i}" for i in range(len(rows))]
         messages = [_messages(row[prompt_key], where, prompt_key) for row, where in zip(rows, wheres, strict=True)]
-        texts = [_template(tokenizer, m, where) for m, where in zip(messages, wheres, strict=True)]
+        texts = [_template(tokenizer, m, where, tools) for m, where in zip(messages, wheres, strict=True)]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         for i, row in enumerate(rows):
             if len(ids[i]) > max_prompt_length:

@@ -28,6 +28,7 @@ TENSOR_FIELDS = (
     "advantages",
     "group_index",
     "finished",
+    "loss_mask",
 )
 
 
@@ -42,6 +43,10 @@ class SampleBatch:
     group_index: torch.Tensor | None = None  # [B] int64, which prompt a sample answers
     # [B] bool: the engine ended the sample (EOS); False = it stopped at its token budget (max_new_tokens)
     finished: torch.Tensor | None = None
+    # [B, R] float32: 1 at the tokens the loss trains, a part of response_mask; None = all of response_mask. A
+    # multi-turn trajectory (agent_loop.py) has its tool turns in response_mask (context the model attends to) and
+    # only the model's own tokens here: the loss, GSPO's length normalisation and the behaviour weight read it
+    loss_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, r = self.response_ids.shape
@@ -50,9 +55,18 @@ class SampleBatch:
                 f"SampleBatch: {len(self.prompt_ids)} prompts, response_ids {tuple(self.response_ids.shape)}, "
                 f"response_mask {tuple(self.response_mask.shape)} do not agree"
             )
+        if self.loss_mask is not None and (
+            self.loss_mask.shape != self.response_mask.shape or bool((self.loss_mask > self.response_mask).any())
+        ):
+            raise ValueError("SampleBatch: loss_mask must have response_mask's shape and lie within it")
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """[B, R]: the tokens the loss trains (``loss_mask``, else every response token)."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def response_lengths(self) -> torch.Tensor:

@@ -312,7 +312,7 @@ class FSDPEngine:
         ``minibatch`` is the SP group's (the same on every rank of the group).
         """
         micros, plan, passes = self._micro_batches(minibatch)
-        tokens, seqs = count_tokens_and_seqs(minibatch.response_mask)
+        tokens, seqs = count_tokens_and_seqs(minibatch.trained_mask)
         copies = 1 if self.sp is None else self.sp.size  # each SP group's minibatch is on SP ranks
         global_tokens, global_seqs = (self._all_reduce([int(tokens), int(seqs)]) / copies).tolist()
         record = MinibatchRecord(passes=passes)
@@ -335,7 +335,7 @@ class FSDPEngine:
     def _micro_loss(self, micro: SampleBatch, temperature: float, global_tokens, global_seqs, norm_length):
         d = self.device
         alg = self.cfg.algorithm
-        mask = micro.response_mask.to(d)
+        mask = micro.trained_mask.to(d)
         log_prob = self._log_probs(self.model, micro, temperature)
         counts = {"global_tokens": global_tokens, "global_seqs": global_seqs, "norm_length": norm_length}
         ref = None

@@ -210,7 +210,7 @@ class MegatronTrainStep:
     def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> MinibatchRecord:
         """Forward/backward every micro-batch of one (model-parallel group) minibatch; the reduced gradients are
         left in megatron's buffers. Public for tests that want a gradient without an optimizer step."""
-        tokens, seqs = count_tokens_and_seqs(minibatch.response_mask)
+        tokens, seqs = count_tokens_and_seqs(minibatch.trained_mask)
         global_tokens, global_seqs = self._all_reduce([int(tokens), int(seqs)], group=self.dp_group).tolist()
         counts = {
             "global_tokens": global_tokens,
@@ -247,7 +247,7 @@ class MegatronTrainStep:
 
     def _micro_loss(self, log_prob: torch.Tensor, micro: _Micro, counts: dict[str, Any]):
         d, alg, sample = self.device, self.cfg.algorithm, micro.sample
-        mask = sample.response_mask.to(d)
+        mask = sample.trained_mask.to(d)
         return policy_objective(
             self.policy_loss,
             alg,

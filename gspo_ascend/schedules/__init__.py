@@ -11,6 +11,7 @@ never asks which schedule it has. One file per way:
                   in step
 - pool.py         batches from a rollout pool, up to eta steps ahead (``rollout_pool.max_staleness``)
 - rounds_ahead.py partial rollout / dynamic sampling rounds one step ahead on a rollout pool
+- agent.py        trajectories of model turns and tool turns, the loss on the model's tokens (``tools.names``)
 - lagged.py       a wrapper around another: every sample from the weights of L updates ago, the staleness study
                   (``rollout.weights_lag``)
 
@@ -30,6 +31,7 @@ __all__ = ["Produced", "Schedule", "build_schedule"]
 
 def build_schedule(run: Any) -> Schedule:
     """The schedule ``run.cfg`` asks for (the config's validators have refused the combinations none makes)."""
+    from .agent import AgentTurns
     from .lagged import Lagged
     from .pool import PoolAhead
     from .rounds import Rounds
@@ -39,6 +41,8 @@ def build_schedule(run: Any) -> Schedule:
     cfg = run.cfg
     pool = cfg.rollout_pool
     rounds = cfg.partial_rollout.round_tokens is not None or cfg.dynamic_sampling.enabled
+    if cfg.tools.names:  # multi-turn rollout with tool calls: colocated and synchronous (config._tools)
+        return AgentTurns(run)
     if pool.devices_per_node > 0 and not rounds:
         schedule: Schedule = PoolAhead(run, pool.max_staleness)
     elif pool.devices_per_node > 0 and pool.max_staleness >= 1:

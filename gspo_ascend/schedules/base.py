@@ -61,6 +61,14 @@ class Schedule:
         """Around step ``step``'s validation (which generates on the rollout side)."""
         return contextlib.nullcontext()
 
+    def validation_generate(self) -> Any:
+        """How validation generates (validation.py's Generate): the workers' single-turn chunks by default."""
+        return self.run.workers.generate_each
+
+    def validation_metrics(self) -> dict[str, float]:
+        """What the schedule counted during the last validation (``val/...``)."""
+        return {}
+
     @property
     def in_flight(self) -> bool:
         """Whether a batch for a later step is generated already (a resume then sends no weights: that step does)."""
@@ -90,15 +98,17 @@ class Schedule:
         if state is not None:
             torch.save(state, directory / IN_FLIGHT_FILE)
 
-    def resume(self, checkpoint: Path) -> None:
-        """Load what ``checkpoint`` holds in flight (the engines' weights are loaded already); the rollout side
-        gets the loaded weights now unless a batch is in flight, whose step sends them as the uninterrupted run
-        did at that step."""
+    def resume(self, checkpoint: Path, sampler_state: dict[str, Any]) -> None:
+        """Load what ``checkpoint`` holds in flight (the engines' weights are loaded already), the prompt sampler's
+        state, then the rounds' groups (that order: a sampler that refuses its state is the error a user sees). The
+        rollout side gets the loaded weights now unless a batch is in flight, whose step sends them as the
+        uninterrupted run did at that step."""
         from ..partial_rollout import load_scheduler
 
         self._load_in_flight(Path(checkpoint) / IN_FLIGHT_FILE)
         if not self.in_flight:
             self.run.workers.sync_weights()
+        self.run.sampler.load_state_dict(sampler_state)
         load_scheduler(self.scheduler, checkpoint)
 
     def _load_in_flight(self, path: Path) -> None:
@@ -106,8 +116,9 @@ class Schedule:
             return
         if self.IN_FLIGHT_KIND is None:
             print(
-                f"{path}: this checkpoint holds a rollout batch in flight and this run has no rollout pool "
-                "(rollout_pool.devices_per_node=0): its prompts are skipped",
+                f"{path}: this checkpoint holds a rollout batch in flight and this run keeps none in flight (no "
+                "rollout pool one step off: rollout_pool.devices_per_node=0 or max_staleness=0): its prompts are "
+                "skipped",
                 flush=True,
             )
             return

@@ -67,5 +67,8 @@ class Lagged(Schedule):
     def save(self, directory: Path) -> None:
         self.inner.save(directory)
 
+    def resume(self, checkpoint: Path, sampler_state: dict[str, Any]) -> None:
+        raise AssertionError("refused at construction: a checkpoint holds no older weights")
+
     def close(self) -> None:
         self.inner.close()

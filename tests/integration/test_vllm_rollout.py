@@ -212,6 +212,34 @@ class TestDense:
         reference = _hf_log_probs(hf_new, joined, 1.0)  # greedy samples are scored at T = 1
         assert _masked_max_diff(joined.rollout_log_probs, reference, continued) <= TOLERANCE
 
+    def test_multi_turn_log_probs_of_the_model_tokens_match_hf(self, synced, path):
+        """A multi-turn trajectory (agent_loop.py, issue #45) on vLLM: each turn generated after the tool turns
+        before it; the model's tokens' vLLM log-probs == transformers' over the whole trajectory (TOLERANCE). The
+        parser stand-in of tests/unit/test_agent_loop.py reads one calculator call into every model turn (the
+        tiny model writes none); the engine, the calculator's worker and the chat template are real."""
+        from transformers import AutoTokenizer
+
+        from gspo_ascend.agent_loop import ToolTurns, run_turns
+        from gspo_ascend.engines.base import SamplingParams
+        from gspo_ascend.tools.toolbox import ToolBox
+        from tests.unit.test_agent_loop import one_call_per_turn
+
+        engine, hf_new, _ = synced
+        turns = ToolTurns(AutoTokenizer.from_pretrained(path), "<|im_end|>")
+        params = SamplingParams(n=2, temperature=0.8, max_new_tokens=64, seed=9)  # prompt + 64 <= max_model_len 96
+        box = ToolBox(["calculator"], timeout_s=30.0, max_output_chars=100, num_workers=1)
+        try:
+            batch, metrics = run_turns(
+                _prompts(path, 4), params, engine.generate_requests, box, turns,
+                max_turns=3, max_calls_per_turn=1, pad_id=PAD, parse=one_call_per_turn,
+            )  # fmt: skip
+        finally:
+            box.close()
+        assert metrics["agent/turns_mean"] >= 2  # on average a model turn after a tool turn
+        expected = _hf_log_probs(hf_new, batch, params.temperature)
+        assert _masked_max_diff(batch.rollout_log_probs, expected, batch.loss_mask) <= TOLERANCE
+        assert bool((batch.rollout_log_probs[(batch.response_mask - batch.loss_mask).bool()] == 0).all())
+
     def test_log_probs_match_hf_after_weight_sync(self, synced, path):
         from gspo_ascend.engines.base import SamplingParams
 

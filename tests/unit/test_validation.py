@@ -12,6 +12,7 @@ import pytest
 
 from gspo_ascend import config
 from gspo_ascend.errors import ConfigError
+from gspo_ascend.schedules.synchronous import Synchronous
 from gspo_ascend.validation import (
     PromptResult,
     chunk_seed,
@@ -304,6 +305,7 @@ def test_validation_scorer_failures_go_to_the_run_reward_log_with_one_warning(tm
         reward_log=RewardErrorLog(tmp_path / "run"),  # what runtime.Run makes
         workers=SimpleNamespace(generate_each=generate_each),
     )
+    run.schedule = Synchronous(run)  # validation generates as the run's schedule says: single-turn chunks here
     metrics = validate(run, 4)
     assert metrics["val/all/score_errors"] == 1 and metrics["val/all/mean@1"] == pytest.approx(1 / 3)
     log = (tmp_path / "run" / REWARD_ERRORS_NAME).read_text()

@@ -44,10 +44,10 @@ class Run:
 
 
 def resolve_model_path(cfg: Config) -> str:
-    if not cfg.model.path:
+    if not cfg.model.path:  # the embedded tiny model; with tools, the one warm-started on calculator calls
         from .tiny import ensure_tiny_model
 
-        return str(ensure_tiny_model())
+        return str(ensure_tiny_model(size="tools" if cfg.tools.names else "tiny"))
     path = Path(cfg.model.path).expanduser()
     if not (path / "config.json").is_file():
         from .doctor.modelspec import builtin_match
@@ -69,7 +69,7 @@ def resolve_train_files(cfg: Config) -> list[str]:
         return list(cfg.data.train_files)
     if cfg.model.path:
         raise UserError("data.train_files is empty; set it to parquet/jsonl files (see `gspo-ascend prepare-data`)")
-    return [str(embedded_data_dir() / "train.parquet")]
+    return [str(embedded_data_dir(tools=bool(cfg.tools.names)) / "train.parquet")]
 
 
 def check_model_layout(cfg: Config, model_path: str) -> None:

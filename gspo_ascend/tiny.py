@@ -117,6 +117,9 @@ class TinySpec:
     # models), capped at max_check_lines, so sampled responses have a long right-skewed length distribution
     check_lines_mean: float = 0.0
     max_check_lines: int = 0
+    # the "tools" preset (tiny_tools.py): > 0 = the two-digit multiplication task, this share of the warm start's
+    # examples calling the calculator (Qwen3's <tool_call> format); 0 = the arithmetic task above
+    tool_fraction: float = 0.0
 
 
 # Named sizes of make-tiny-model (TinySpec overrides). "small" is the benchmark's model (benchmarks/README.md):
@@ -125,6 +128,8 @@ class TinySpec:
 # into one row (no padding; the tiny recipe keeps its padded batches, so cached tiny models stay valid).
 SIZES: dict[str, dict] = {
     "tiny": {},
+    # the tool-use demo (tiny_tools.py, docs/agent.md): the tiny sizes, a longer context for trajectories
+    "tools": dict(tool_fraction=0.3, sft_steps=300, noisy_sft_steps=0, max_position_embeddings=1024),
     "small": dict(
         hidden_size=512,
         num_layers=6,
@@ -240,10 +245,15 @@ def _corpus(seed: int, max_operand: int, checks: bool = False) -> list[str]:
     return texts
 
 
-def build_tokenizer(seed: int = 0, vocab_size: int = 512, max_operand: int = 9, checks: bool = False):
-    """A byte-level BPE tokenizer trained here (no download), as a transformers fast tokenizer."""
+def build_tokenizer(
+    seed: int = 0, vocab_size: int = 512, max_operand: int = 9, checks: bool = False, tools: bool = False
+):
+    """A byte-level BPE tokenizer trained here (no download), as a transformers fast tokenizer. ``tools``: the
+    multiplication task's text and Qwen3's two tool-call tokens (tiny_tools.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from . import tiny_tools
 
     tok = Tokenizer(models.BPE())
     # Digits one per token (as Qwen's tokenizer does), then GPT-2 style byte-level: every string round-trips.
@@ -253,11 +263,11 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 512, max_operand: int = 9, 
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, BOS_CHAT, EOS],
+        special_tokens=[PAD, BOS_CHAT, EOS, *((tiny_tools.TOOL_OPEN, tiny_tools.TOOL_CLOSE) if tools else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed, max_operand, checks), trainer)
+    tok.train_from_iterator(tiny_tools.corpus(seed) if tools else _corpus(seed, max_operand, checks), trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
@@ -344,17 +354,24 @@ def sft_examples(tokenizer, spec: TinySpec, seed: int, steps: int, p_correct: fl
     return examples
 
 
+def _labelled(batch: list) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt, response, response labels) per example: an example's third element, where given, flags the
+    response tokens the loss trains (0 on a tool turn, tiny_tools.py), whose labels are then -100."""
+    return [(e[0], e[1], [t if keep else -100 for t, keep in zip(e[1], e[2], strict=True)] if len(e) > 2 else e[1])
+            for e in batch]  # fmt: skip
+
+
 def _collate(batch: list, pad_id: int):
     import torch
 
-    width = max(len(p) + len(r) for p, r in batch)
+    width = max(len(e[0]) + len(e[1]) for e in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, T]
     labels = torch.full((len(batch), width), -100, dtype=torch.long)  # [B, T], loss on the response only
     mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
-    for i, (p, r) in enumerate(batch):
+    for i, (p, r, target) in enumerate(_labelled(batch)):
         n = len(p) + len(r)
         ids[i, :n] = torch.tensor(p + r)
-        labels[i, len(p) : n] = torch.tensor(r)
+        labels[i, len(p) : n] = torch.tensor(target)
         mask[i, :n] = 1
     return ids, mask, labels
 
@@ -365,10 +382,10 @@ def _packed(batch: list) -> tuple[dict, list[int]]:
     import torch
 
     ids, pos, labels, lengths = [], [], [], []
-    for p, r in batch:
+    for p, r, target in _labelled(batch):
         ids += p + r
         pos += range(len(p) + len(r))
-        labels += [-100] * len(p) + r
+        labels += [-100] * len(p) + target
         lengths.append(len(p) + len(r))
     row = {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]), "labels": torch.tensor([labels])}
     return row, lengths
@@ -471,6 +488,15 @@ def _size_overrides(size: str, overrides: dict) -> dict:
 
 
 def _warm_start(model, tokenizer, spec: TinySpec, seed: int) -> dict:
+    if spec.tool_fraction > 0:  # the tool-use task: one clean pass over trajectories and direct answers
+        from .agent_loop import ToolTurns
+        from .tiny_tools import sft_examples as tool_examples
+
+        turns = ToolTurns(tokenizer, EOS)
+        examples = tool_examples(tokenizer, turns, spec.sft_steps * spec.batch_size, seed, spec.tool_fraction)
+        losses = supervised_pass(model, examples, lr=spec.lr, batch_size=spec.batch_size, pad_id=tokenizer.pad_token_id)
+        return {"clean_steps": len(losses), "tool_fraction": spec.tool_fraction, "batch_size": spec.batch_size,
+                "lr": spec.lr, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:])}  # fmt: skip
     clean = sft_examples(tokenizer, spec, seed, spec.sft_steps, 1.0, "sft")
     noisy = sft_examples(tokenizer, spec, seed, spec.noisy_sft_steps, spec.noisy_p_correct, "sft-noisy")
     kw = dict(batch_size=spec.batch_size, pad_id=tokenizer.pad_token_id, packed=spec.check_lines_mean > 0)
@@ -620,11 +646,14 @@ def make_tiny_model(
     _check_output_dir(out)
     start = time.perf_counter()
     with _deterministic(backend), _one_thread(portable and backend.torch_device_type == "cpu"):
-        tokenizer = build_tokenizer(seed, spec.vocab_size, spec.max_operand, checks=spec.check_lines_mean > 0)
+        tokenizer = build_tokenizer(
+            seed, spec.vocab_size, spec.max_operand, checks=spec.check_lines_mean > 0, tools=spec.tool_fraction > 0
+        )
         # initialised on the CPU (the CPU generator, seeded): every device starts from the same weights
         model = build_model(spec, tokenizer, seed).to(backend.device())
         sft = _warm_start(model, tokenizer, spec, seed)
-        accuracy = _evaluate(model, tokenizer, spec, seed) if evaluate else None
+        # the tool task's accuracy needs the tools: its runs measure it (validation at step 0, docs/agent.md)
+        accuracy = _evaluate(model, tokenizer, spec, seed) if evaluate and not spec.tool_fraction else None
         model = model.to("cpu")  # saved from the host, as every reader loads it
     seconds = time.perf_counter() - start
     manifest = _manifest(spec, seed, model, tokenizer, sft, accuracy, seconds, backend.torch_device_type)
@@ -793,6 +822,15 @@ def main_make_tiny_model(args: argparse.Namespace) -> int:
     )
     out = args.output_dir or default_tiny_dir(args.moe, args.size, manifest["device"])
     acc = manifest["initial_accuracy"]
+    if acc is None:  # the tools preset: its accuracy needs the calculator (a run's validation at step 0)
+        sft = manifest["sft"]
+        print(
+            f"{manifest['architecture']} ({manifest['num_parameters']:,} parameters) -> {out}\n"
+            f"built in {manifest['build_seconds']} s on {manifest['device']}; warm-start loss {sft['loss_first']:.2f}"
+            f" -> {sft['loss_last']:.3f}; its accuracy needs the tools: `gspo-ascend train --config "
+            "configs/tiny_gspo_tools.yaml` validates it at step 0"
+        )
+        return 0
     n = acc["sampled_length"]
     print(
         f"{manifest['architecture']} ({manifest['num_parameters']:,} parameters) -> {out}\n"

@@ -185,7 +185,7 @@ def resolve_val_files(cfg: Any) -> list[str]:
     if not cfg.model.path and not cfg.data.train_files:
         from .data.prepare import embedded_data_dir
 
-        return [str(embedded_data_dir() / "test.parquet")]
+        return [str(embedded_data_dir(tools=bool(cfg.tools.names)) / "test.parquet")]
     return []
 
 

@@ -90,7 +90,8 @@ KINDS: dict[str, Kind] = {
     ),
 }
 SYNTHETIC = "synthetic"
-VALID_KINDS = (*KINDS, SYNTHETIC)
+SYNTHETIC_TOOLS = "synthetic-tools"  # two-digit products, the tool-use demo's task (tiny_tools.py)
+VALID_KINDS = (*KINDS, SYNTHETIC, SYNTHETIC_TOOLS)
 
 
 def output_schema():
@@ -155,9 +156,19 @@ def write_parquet(rows: list[dict], path: Path) -> None:
     tmp.replace(path)  # readers never see a half-written file
 
 
-def _synthetic_rows(seed: int, num_train: int, num_test: int) -> dict[str, list[dict]]:
+def _synthetic_rows(seed: int, num_train: int, num_test: int, tools: bool = False) -> dict[str, list[dict]]:
     from ..tiny import SYNTHETIC_DATA_SOURCE, synthetic_arithmetic
 
+    if tools:
+        from ..tiny_tools import PRODUCTS_DATA_SOURCE, synthetic_products
+
+        return {
+            split: [
+                make_row(PRODUCTS_DATA_SOURCE, r["prompt"], r["answer"], split, i)
+                for i, r in enumerate(synthetic_products(n, seed=seed, split=split, distinct=split == "test"))
+            ]
+            for split, n in (("train", num_train), ("test", num_test))
+        }
     out = {}
     for split, n in (("train", num_train), ("test", num_test)):
         # test: each held-out problem once (39 of them), train: draws, so the sampler sees the task's distribution
@@ -187,8 +198,8 @@ def prepare_data(
     if kind not in VALID_KINDS:
         raise UserError(f"unknown dataset kind '{kind}'; valid kinds: {', '.join(VALID_KINDS)}")
     out_dir = Path(output_dir).expanduser()
-    if kind == SYNTHETIC:
-        by_split = _synthetic_rows(seed, num_train, num_test)
+    if kind in (SYNTHETIC, SYNTHETIC_TOOLS):
+        by_split = _synthetic_rows(seed, num_train, num_test, tools=kind == SYNTHETIC_TOOLS)
         zero = {"skipped_no_answer": 0, "skipped_no_question": 0, "duplicates_dropped": 0}
         summary = {s: {"rows": len(r), **zero} for s, r in by_split.items()}
     else:
@@ -209,12 +220,14 @@ def prepare_data(
     return summary
 
 
-def embedded_data_dir() -> Path:
-    """The synthetic task's ``train.parquet`` and held-out ``test.parquet``, built on first use. The directory is
-    named after the task's version, so a cache written by an older release (no held-out split) is never read."""
+def embedded_data_dir(tools: bool = False) -> Path:
+    """The synthetic task's ``train.parquet`` and held-out ``test.parquet``, built on first use; ``tools``: the
+    tool-use demo's products (64 held-out problems in test). The directory is named after the task's version, so a
+    cache written by an older release (no held-out split) is never read."""
     from ..tiny import SYNTHETIC_VERSION, gspo_home
 
-    out = gspo_home() / "data" / f"synthetic-v{SYNTHETIC_VERSION}"
+    name = "synthetic-tools-v1" if tools else f"synthetic-v{SYNTHETIC_VERSION}"
+    out = gspo_home() / "data" / name
     if not all((out / f"{split}.parquet").is_file() for split in ("train", "test")):
-        prepare_data("synthetic", None, out, seed=0)
+        prepare_data(SYNTHETIC_TOOLS if tools else SYNTHETIC, None, out, seed=0, num_test=64 if tools else 256)
     return out

@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.test_train_e2e import read_metrics, train_cmd
+from tests.e2e.test_train_e2e import eval_export, read_metrics, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +43,7 @@ def test_the_tool_demo_calls_the_calculator_trains_validates_and_its_export_eval
         assert math.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0
 
     evaluated = tmp_path / "eval"
-    test_file = embedded_data_dir(tools=True) / "test.parquet"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gspo_ascend.cli", "eval", "--model", str(out / "hf"), "--data", str(test_file)]
-        + ["--config", str(out / "config.json"), "--output", str(evaluated)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
-    )
+    proc = eval_export(out, embedded_data_dir(tools=True) / "test.parquet", evaluated)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((evaluated / "eval.json").read_text())
     assert report["metrics"] == {k: v for k, v in lines[2].items() if k.startswith("val/") and "/tools/" not in k}

@@ -107,6 +107,18 @@ def test_gspo_improves_reward_and_writes_a_complete_run(tmp_path):
 ACC = "val/all/mean@1"  # configs/tiny_gspo.yaml: greedy, one response per held-out problem
 
 
+def eval_export(run_dir: Path, data: Path, output: Path) -> subprocess.CompletedProcess:
+    """`gspo-ascend eval` of a run's HF export with the run's own config.json, as the run's summary prints it."""
+    return subprocess.run(
+        [sys.executable, "-m", "gspo_ascend.cli", "eval", "--model", str(run_dir / "hf"), "--data", str(data)]
+        + ["--config", str(run_dir / "config.json"), "--output", str(output)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+
+
 def check_validation(out: Path, lines: list[dict], stdout: str, tmp_path: Path) -> None:
     """The default run validates greedy accuracy on the 39 held-out problems at steps 0, 5, 10, ... and the last;
     it rises; `gspo-ascend eval` on the run's export reproduces the last validation, response for response."""
@@ -127,16 +139,8 @@ def check_validation(out: Path, lines: list[dict], stdout: str, tmp_path: Path) 
     assert sum(a["acc"] for a in answers) == sum(a["answer"] == a["ground_truth"] for a in answers)
 
     # eval on the export: same prompts, same seed (from config.json), in this process instead of a Ray worker
-    test_file = embedded_data_dir() / "test.parquet"
     evaluated = tmp_path / "eval"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gspo_ascend.cli", "eval", "--model", str(out / "hf"), "--data", str(test_file)]
-        + ["--config", str(out / "config.json"), "--output", str(evaluated)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
-    )
+    proc = eval_export(out, embedded_data_dir() / "test.parquet", evaluated)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((evaluated / "eval.json").read_text())
     assert report["metrics"] == {k: v for k, v in val[steps].items() if k.startswith("val/")}

@@ -75,6 +75,9 @@ def tensors() -> list[tuple[str, object]]:
 # ----------------------------------------------------------------------------------------------- one rank
 
 
+_KEEP: list = []  # the sync group, alive until the rank's os._exit
+
+
 def rank_main(backend, out: Path, argv: list[str]) -> None:
     """Rank 0 sends, rank 1 receives and compares. Each writes ``weight_sync.rank<r>.json`` (errors, bytes, ...)."""
     import os
@@ -105,7 +108,10 @@ def rank_main(backend, out: Path, argv: list[str]) -> None:
         got = [(name, t.cpu().clone()) for name, t in receiver]
         result = {"errors": _compare(expected, got, receiver.version, raw_bytes), "bytes": receiver.bytes}
         result |= {"tensors": len(got), "dtypes": sorted({str(t.dtype).removeprefix("torch.") for _, t in got})}
-    # the group is left to the process's end, as rank.py leaves the default one (its _exit says why)
+    # the group is left to the process's end, as rank.py leaves the default one (its _exit says why): kept referenced
+    # here, since dropping the last reference when this function returns runs gloo's teardown, which deadlocks now
+    # and then (seen: rank 0 idle at rank.py's call of this function after writing its result, 1 run in ~5)
+    _KEEP.append(group)
     (out / f"weight_sync.rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -61,6 +61,11 @@ class ToolTurns:
         self.base, self.before = base, before
         self.separator = before[before.rindex(eos_text) + len(eos_text) :]  # e.g. "\n" after <|im_end|>
 
+    @classmethod
+    def of(cls, tokenizer: Any) -> ToolTurns:
+        """The tool turns of ``tokenizer``'s template, its EOS the one that ends a model turn."""
+        return cls(tokenizer, tokenizer.decode(tokenizer.eos_token_id))
+
     def tokens(self, answers: Sequence[str]) -> list[int]:
         messages = self.base + [{"role": "tool", "content": a} for a in answers]
         after = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -134,11 +134,9 @@ def _with_tools(cfg: Any, tokenizer: Any, generate_requests: Any) -> Iterator[An
     from .agent_loop import ToolTurns, trajectories_each
     from .tools.toolbox import ToolBox
 
-    t = cfg.tools
-    box = ToolBox(t.names, timeout_s=t.timeout_s, max_output_chars=t.max_output_chars, num_workers=t.num_workers)
+    box = ToolBox.from_config(cfg.tools)
     try:
-        turns = ToolTurns(tokenizer, tokenizer.decode(tokenizer.eos_token_id))
-        yield trajectories_each(generate_requests, box, turns, t, tokenizer.pad_token_id)
+        yield trajectories_each(generate_requests, box, ToolTurns.of(tokenizer), cfg.tools, tokenizer.pad_token_id)
     finally:
         box.close()
 

@@ -20,11 +20,7 @@ class AgentTurns(Schedule):
         from ..tools.toolbox import ToolBox
 
         super().__init__(run)
-        t = run.cfg.tools
-        self.toolbox = ToolBox(t.names, timeout_s=t.timeout_s, max_output_chars=t.max_output_chars,
-                               num_workers=t.num_workers)  # fmt: skip
-        tokenizer = run.tokenizer
-        self.turns = ToolTurns(tokenizer, tokenizer.decode(tokenizer.eos_token_id))
+        self.toolbox, self.turns = ToolBox.from_config(run.cfg.tools), ToolTurns.of(run.tokenizer)
 
     def next_batch(self, step: int, timer: Any) -> Produced:
         run, t = self.run, self.run.cfg.tools

@@ -58,6 +58,12 @@ class ToolBox:
         self.stream = stream
         self._pool: Any = None
 
+    @classmethod
+    def from_config(cls, tools: Any) -> ToolBox:
+        """The box of a config's ``tools`` section (``tools.names`` and its bounds)."""
+        return cls(tools.names, timeout_s=tools.timeout_s, max_output_chars=tools.max_output_chars,
+                   num_workers=tools.num_workers)  # fmt: skip
+
     @property
     def schemas(self) -> list[dict[str, Any]]:
         """For ``apply_chat_template(tools=...)``."""

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from .engines.base import Request, SampleBatch, SamplingParams, requests_for
+from .engines.base import Request, SampleBatch, SamplingParams
 from .partial_rollout import round_seed
 from .tools.calls import parse_tool_calls
 
@@ -44,6 +44,8 @@ class Trajectory:
     calls: int = 0  # tool calls made
     done: bool = False
     eos: bool = False  # its last model turn ended with EOS
+    tools: Any = None  # its row's tools (tools/plan.py's RowTools; None: every tool of the box)
+    index: int = 0  # its place among the step's trajectories (prompt g's sample j: g * n + j): its seeds
 
 
 class ToolTurns:
@@ -84,34 +86,150 @@ def run_turns(
     pad_id: int,
     step: int | None = None,
     parse: Callable[[str, int], list] = parse_tool_calls,
+    rows: Sequence[Any] | None = None,
+    first: int = 0,
 ) -> tuple[SampleBatch, dict[str, float]]:
     """``params.n`` trajectories per prompt, the n of a prompt adjacent (as ``generate``); ``params.max_new_tokens``
     bounds each trajectory's tokens after its prompt, the model's and the tools' together. ``parse``: a model
-    turn's text -> its calls (Qwen3's format). Returns the batch and the ``agent/*`` metrics."""
-    width = params.max_new_tokens
-    trajectories = [Trajectory(list(p), g) for g, p in enumerate(prompts) for _ in range(params.n)]
+    turn's text -> its calls (Qwen3's format). ``rows``: each prompt's tools (RowTools; a row with none is one
+    model turn); None: every tool for every prompt. ``first``: the first prompt's place in the step's draw (a
+    worker's slice). Each turn is one ``generate`` call of every unfinished trajectory, seeded by
+    :func:`turn_seed`. Returns the batch and the ``agent/*`` metrics."""
+    width, n = params.max_new_tokens, params.n
+    trajectories = _start(prompts, params, rows, first)
     for turn in range(max_turns):
         active = [t for t in trajectories if not t.done]
         if not active:
             break
-        if turn == 0:  # the single-turn requests: a first turn is exactly generate(prompts, params)
-            requests = requests_for(prompts, params)
+        if turn == 0:  # generate's requests: a prompt's n samples in one, so a first turn is exactly generate
+            requests = [Request(tuple(p), n, width, params.seed + (first + g) * n) for g, p in enumerate(prompts)]
         else:
-            base = round_seed(params.seed, turn)
             requests = [
-                Request((*t.prompt, *t.tokens), 1, width - len(t.tokens), base + i) for i, t in enumerate(active)
+                Request((*t.prompt, *t.tokens), 1, width - len(t.tokens), turn_seed(params.seed, t.index, turn))
+                for t in active
             ]
         got = generate(requests, params)
-        pending = _take_turn(active, got, turns.tokenizer, parse, max_calls_per_turn, turn + 1 == max_turns, width)
-        answers = iter(toolbox.call([c for _, calls in pending for c in calls], step))
+        pending = []
+        lengths = got.response_lengths.tolist()
+        for t, ids, logps, n, eos in zip(active, got.response_ids, got.rollout_log_probs, lengths,
+                                         got.finished.tolist(), strict=True):  # fmt: skip
+            calls = _model_turn(t, ids[:n].tolist(), logps[:n].tolist(), bool(eos), turns.tokenizer, parse,
+                                max_calls_per_turn, max_turns, width)  # fmt: skip
+            if calls:
+                pending.append((t, calls))
+        answers = iter(toolbox.call([c for _, calls in pending for c in calls], step,
+                                    [t.tools for t, calls in pending for _ in calls]))  # fmt: skip
         for t, calls in pending:
             _append_tool_turn(t, turns.tokens([next(answers) for _ in calls]), len(calls), width)
     return _batch(trajectories, width, pad_id), _metrics(trajectories)
 
 
-def trajectories_each(generate: Callable, toolbox: Any, turns: ToolTurns, tools: Any, pad_id: int) -> Callable:
+class Stepper(Protocol):
+    """An engine that takes requests while others run (vLLM's own engine loop: vllm_rollout.EngineSteps)."""
+
+    def add(self, key: int, prompt: Sequence[int], max_new_tokens: int, seed: int) -> None: ...
+
+    def busy(self) -> bool: ...
+
+    def step(self) -> list[tuple[int, list[int], list[float], bool]]:
+        """The requests that finished in this step: (key, tokens, their log-probs, ended with EOS)."""
+        ...
+
+
+def run_in_flight(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    stepper: Stepper,
+    toolbox: Any,
+    turns: ToolTurns,
+    *,
+    max_turns: int,
+    max_calls_per_turn: int,
+    pad_id: int,
+    step: int | None = None,
+    parse: Callable[[str, int], list] = parse_tool_calls,
+    rows: Sequence[Any] | None = None,
+    first: int = 0,
+    events: list | None = None,
+) -> tuple[SampleBatch, dict[str, float]]:
+    """:func:`run_turns` with every trajectory in flight on its own: a model turn that calls tools has them run
+    while the engine goes on with the others, and its next turn joins the engine's running batch when the answers
+    are in; no trajectory waits for another's turn or tools. The seeds are :func:`turn_seed`'s, as in
+    :func:`run_turns`, so the samples are the same. ``events`` (tests, traces): ("turn", trajectory, turns so far)
+    when a model turn ends and ("tool", trajectory, turns so far) when its answers are appended, in order."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    width = params.max_new_tokens
+    trajectories = _start(prompts, params, rows, first)
+    by_key = {t.index: t for t in trajectories}
+    for t in trajectories:
+        stepper.add(t.index, t.prompt, width, turn_seed(params.seed, t.index, 0))
+    waiting: dict[int, tuple[Any, int]] = {}
+    while stepper.busy() or waiting:
+        for key, new, logps, eos in stepper.step() if stepper.busy() else []:
+            t = by_key[key]
+            calls = _model_turn(t, new, logps, eos, turns.tokenizer, parse, max_calls_per_turn, max_turns, width)
+            _note(events, "turn", key, t.turns)
+            if calls:
+                waiting[key] = (toolbox.submit(calls, step, [t.tools] * len(calls)), len(calls))
+        if waiting and not stepper.busy() and not any(s.done() for s, _ in waiting.values()):
+            wait([f for s, _ in waiting.values() for _, f in s.futures.values()], return_when=FIRST_COMPLETED)
+        for key in [k for k, (s, _) in waiting.items() if s.done()]:
+            submitted, count = waiting.pop(key)
+            t = by_key[key]
+            _append_tool_turn(t, turns.tokens(toolbox.collect(submitted)), count, width)
+            _note(events, "tool", key, t.turns)
+            if not t.done:
+                seed = turn_seed(params.seed, t.index, t.turns)
+                stepper.add(key, (*t.prompt, *t.tokens), width - len(t.tokens), seed)
+    return _batch(trajectories, width, pad_id), _metrics(trajectories) | {"agent/in_flight": 1.0}  # which loop ran
+
+
+def turn_seed(seed: int, index: int, turn: int) -> int:
+    """The seed of trajectory ``index``'s model turn ``turn``: turn 0 is ``generate``'s seeding (prompt g's sample
+    j draws with seed + g * n + j), later turns a hash of (seed, turn) plus the index. A function of the trajectory
+    alone: the same whichever trajectories share a batch or a worker, batched or in flight."""
+    return round_seed(seed, turn) + index
+
+
+def _start(prompts: Sequence[Sequence[int]], params: SamplingParams, rows: Any, first: int) -> list[Trajectory]:
+    """The trajectories of ``prompts`` (the n of a prompt adjacent); ``first``: the first prompt's place in the
+    step's draw, when a worker runs a slice of it (the seeds follow the place)."""
+    tools = rows if rows is not None else [None] * len(prompts)
+    n = params.n
+    return [
+        Trajectory(list(p), g, tools=tools[g], index=(first + g) * n + j)
+        for g, p in enumerate(prompts)
+        for j in range(n)
+    ]
+
+
+def _note(events: list | None, what: str, key: int, turns: int) -> None:
+    if events is not None:
+        events.append((what, key, turns))
+
+
+def rows_by_prompt(records: Sequence[Any]) -> dict[tuple[int, ...], Any]:
+    """Each prompt's tools (``PromptRecord.tools``) by its token ids, for callers that pass prompts as ids
+    (validation's requests); UserError when two rows with the same prompt give their tools different kwargs."""
+    from .errors import UserError
+
+    out: dict[tuple[int, ...], Any] = {}
+    for r in records:
+        if out.setdefault(tuple(r.prompt_ids), r.tools) != r.tools:
+            raise UserError(
+                f"{r.source}: the same prompt as an earlier row with other extra_info.tools_kwargs; a row's hidden "
+                "tool arguments must follow from its prompt: drop one of the rows"
+            )
+    return out
+
+
+def trajectories_each(
+    generate: Callable, toolbox: Any, turns: ToolTurns, tools: Any, pad_id: int, rows: Any = None
+) -> Callable:
     """A ``generate_each`` (validation.py's Generate) whose batches are trajectories: validation and
-    `gspo-ascend eval` with tools, each request (prompts, params) one :func:`run_turns` over ``generate``."""
+    `gspo-ascend eval` with tools, each request (prompts, params) one :func:`run_turns` over ``generate``.
+    ``rows``: :func:`rows_by_prompt` of the prompts' records (None: every tool for every prompt)."""
 
     def generate_each(reqs: list, on_done: Any = None) -> list[SampleBatch]:
         out = []
@@ -119,6 +237,7 @@ def trajectories_each(generate: Callable, toolbox: Any, turns: ToolTurns, tools:
             batch, _ = run_turns(
                 prompts, params, generate, toolbox, turns,
                 max_turns=tools.max_turns, max_calls_per_turn=tools.max_calls_per_turn, pad_id=pad_id,
+                rows=[rows[tuple(p)] for p in prompts] if rows is not None else None,
             )  # fmt: skip
             out.append(batch)
             if on_done is not None:
@@ -128,25 +247,29 @@ def trajectories_each(generate: Callable, toolbox: Any, turns: ToolTurns, tools:
     return generate_each
 
 
-def _take_turn(
-    active: list[Trajectory], got: SampleBatch, tokenizer: Any, parse: Any, max_calls: int, last: bool, width: int
-) -> list[tuple[Trajectory, list]]:
-    """Each active trajectory's new model turn appended; returns those whose turn called tools, with the calls."""
-    pending = []
-    lengths = got.response_lengths.tolist()
-    for t, ids, logps, n, eos in zip(active, got.response_ids, got.rollout_log_probs, lengths, got.finished.tolist(),
-                                     strict=True):  # fmt: skip
-        new = ids[:n].tolist()
-        t.tokens += new
-        t.model += [1.0] * n
-        t.logps += logps[:n].tolist()
-        t.turns, t.eos = t.turns + 1, bool(eos)
-        calls = parse(tokenizer.decode(new, skip_special_tokens=False), max_calls) if eos else []
-        if not calls or last or len(t.tokens) >= width:
-            t.done = True
-        else:
-            pending.append((t, calls))
-    return pending
+def _model_turn(
+    t: Trajectory,
+    new: list[int],
+    logps: list[float],
+    eos: bool,
+    tokenizer: Any,
+    parse: Any,
+    max_calls: int,
+    max_turns: int,
+    width: int,
+) -> list:
+    """A model turn appended to ``t``; returns its calls when the trajectory goes on with a tool turn (else marks
+    it done: no call, the last allowed turn, or the budget spent)."""
+    t.tokens += new
+    t.model += [1.0] * len(new)
+    t.logps += logps
+    t.turns, t.eos = t.turns + 1, eos
+    offered = t.tools is None or bool(t.tools.names)  # a single-turn row's text is not read for calls
+    calls = parse(tokenizer.decode(new, skip_special_tokens=False), max_calls) if eos and offered else []
+    if not calls or t.turns >= max_turns or len(t.tokens) >= width:
+        t.done = True
+        return []
+    return calls
 
 
 def _append_tool_turn(t: Trajectory, tool_tokens: list[int], calls: int, width: int) -> None:

@@ -208,9 +208,17 @@ class RolloutPoolConfig:
 @dataclass
 class ToolsConfig:
     """Multi-turn rollout with tool calls (agent_loop.py, tools/, docs/agent.md): trajectories of model turns and
-    tool turns; the loss trains the model's tokens only. Off while ``names`` is empty (single-turn rollout)."""
+    tool turns; the loss trains the model's tokens only. Off while no row may call a tool (``names`` and
+    ``by_source`` empty: single-turn rollout). A row's tools are its data source's (``by_source``, else ``names``);
+    a verl row whose ``agent_name`` is ``single_turn_agent`` gets none (tools/plan.py)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.names) or any(self.by_source.values())
 
     names: list[str] = field(default_factory=list)  # "calculator", "python", or package.module:function
+    # data_source -> the tools its rows may call ([]: single turn); a source not listed gets ``names``
+    by_source: dict[str, list[str]] = field(default_factory=dict)
     max_turns: int = 4  # model turns per trajectory at most (the last one's calls are not run)
     max_calls_per_turn: int = 4  # calls one model turn may make; more are one malformed call
     timeout_s: float = 10.0  # per call, in the tool's worker process (killed and replaced past it)
@@ -270,6 +278,8 @@ def _type_name(tp: Any) -> str:
         return "null"
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return f"a mapping of {_type_name(typing.get_args(tp)[0])} to {_type_name(typing.get_args(tp)[1])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -292,6 +302,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         items = value if isinstance(value, (list, tuple)) else [value] if isinstance(value, str) else None
         if items is not None:
             return [_coerce(v, typing.get_args(tp)[0], key) for v in items]
+    elif origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        if isinstance(value, dict):
+            return {_coerce(k, key_type, key): _coerce(v, value_type, f"{key}.{k}") for k, v in value.items()}
     elif tp is type(None):
         if value is None:
             return None
@@ -593,9 +607,10 @@ def _reward(cfg: Config) -> Iterable[str]:
 @validator
 def _tools(cfg: Config) -> Iterable[str]:
     t = cfg.tools
-    if not t.names:
-        yield from _inert("tools", t, ("max_turns", "max_calls_per_turn", "timeout_s", "max_output_chars",
-                                       "num_workers"), "'tools.names' (the tools a model may call)")  # fmt: skip
+    if not t.enabled:
+        yield from _inert("tools", t, ("by_source", "max_turns", "max_calls_per_turn", "timeout_s",
+                                       "max_output_chars", "num_workers"),
+                          "'tools.names' or 'tools.by_source' giving some rows a tool")  # fmt: skip
         return
     for key in ("max_turns", "max_calls_per_turn", "max_output_chars", "num_workers"):
         if getattr(t, key) < 1:
@@ -612,8 +627,8 @@ def _tools(cfg: Config) -> Iterable[str]:
     for key, on in elsewhere.items():
         if on:
             yield (
-                f"config key '{key}' does not work with tool calls yet (tools.names): multi-turn rollout runs "
-                "colocated and synchronous; unset it or leave tools.names empty"
+                f"config key '{key}' does not work with tool calls yet (tools.names / tools.by_source): "
+                "multi-turn rollout runs colocated and synchronous; unset it or give no row a tool"
             )
 
 

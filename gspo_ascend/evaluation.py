@@ -84,7 +84,7 @@ def main_eval(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    with generator(cfg, backend, model_path, args.ray, tokenizer) as generate_each:
+    with generator(cfg, backend, model_path, args.ray, tokenizer, val_set.records) as generate_each:
         progress.start()
         result = evaluate(val_set, generate_each, cfg, tokenizer, progress)
     report = build_report(cfg, model_path, val_set, result.metrics, progress.elapsed(), args.ray)
@@ -97,9 +97,11 @@ def main_eval(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def generator(cfg: Any, backend: Any, model_path: str, use_ray: bool, tokenizer: Any = None) -> Iterator[Any]:
-    """``generate_each`` over one in-process rollout engine, or over rollout-only Ray workers; with
-    ``tools.names``, over trajectories of model and tool turns (agent_loop.py)."""
+def generator(
+    cfg: Any, backend: Any, model_path: str, use_ray: bool, tokenizer: Any = None, records: Any = ()
+) -> Iterator[Any]:
+    """``generate_each`` over one in-process rollout engine, or over rollout-only Ray workers; with tools, over
+    trajectories of model and tool turns (agent_loop.py), each of ``records`` (the prompts) with its row's tools."""
     from .validation import sequential
 
     if use_ray:
@@ -107,7 +109,7 @@ def generator(cfg: Any, backend: Any, model_path: str, use_ray: bool, tokenizer:
 
         group = WorkerGroup(cfg, backend, model_path, train=False)
         try:
-            with _with_tools(cfg, tokenizer, group.generate_requests) as agent:
+            with _with_tools(cfg, tokenizer, group.generate_requests, records) as agent:
                 yield agent or group.generate_each
         finally:
             group.shutdown()
@@ -117,7 +119,7 @@ def generator(cfg: Any, backend: Any, model_path: str, use_ray: bool, tokenizer:
     backend.set_device(0)
     engine = build_rollout_engine(cfg, backend, model_path)
     try:
-        with _with_tools(cfg, tokenizer, engine.generate_requests) as agent:
+        with _with_tools(cfg, tokenizer, engine.generate_requests, records) as agent:
             yield agent or sequential(engine)
     finally:
         close = getattr(engine, "close", None)
@@ -126,17 +128,19 @@ def generator(cfg: Any, backend: Any, model_path: str, use_ray: bool, tokenizer:
 
 
 @contextlib.contextmanager
-def _with_tools(cfg: Any, tokenizer: Any, generate_requests: Any) -> Iterator[Any]:
+def _with_tools(cfg: Any, tokenizer: Any, generate_requests: Any, records: Any) -> Iterator[Any]:
     """Trajectories' ``generate_each`` when the config names tools (None otherwise); its tool workers stop after."""
-    if not cfg.tools.names:
+    if not cfg.tools.enabled:
         yield None
         return
-    from .agent_loop import ToolTurns, trajectories_each
+    from .agent_loop import ToolTurns, rows_by_prompt, trajectories_each
     from .tools.toolbox import ToolBox
 
     box = ToolBox.from_config(cfg.tools)
+    rows = rows_by_prompt(records)
     try:
-        yield trajectories_each(generate_requests, box, ToolTurns.of(tokenizer), cfg.tools, tokenizer.pad_token_id)
+        yield trajectories_each(generate_requests, box, ToolTurns.of(tokenizer), cfg.tools, tokenizer.pad_token_id,
+                                rows)  # fmt: skip
     finally:
         box.close()
 

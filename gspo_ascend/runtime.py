@@ -47,7 +47,7 @@ def resolve_model_path(cfg: Config) -> str:
     if not cfg.model.path:  # the embedded tiny model; with tools, the one warm-started on calculator calls
         from .tiny import ensure_tiny_model
 
-        return str(ensure_tiny_model(size="tools" if cfg.tools.names else "tiny"))
+        return str(ensure_tiny_model(size="tools" if cfg.tools.enabled else "tiny"))
     path = Path(cfg.model.path).expanduser()
     if not (path / "config.json").is_file():
         from .doctor.modelspec import builtin_match
@@ -69,7 +69,7 @@ def resolve_train_files(cfg: Config) -> list[str]:
         return list(cfg.data.train_files)
     if cfg.model.path:
         raise UserError("data.train_files is empty; set it to parquet/jsonl files (see `gspo-ascend prepare-data`)")
-    return [str(embedded_data_dir(tools=bool(cfg.tools.names)) / "train.parquet")]
+    return [str(embedded_data_dir(tools=cfg.tools.enabled) / "train.parquet")]
 
 
 def check_model_layout(cfg: Config, model_path: str) -> None:
@@ -105,7 +105,7 @@ def prepare(cfg: Config) -> Run:
     from .resume import check_resume
     from .rewards import load_reward_fn
     from .rundir import check_writable, open_run_dir
-    from .tools.registry import tool_schemas
+    from .tools.plan import ToolPlan
     from .validation import prepare_val_set
 
     backend = get_backend(cfg.trainer.device)
@@ -124,7 +124,8 @@ def prepare(cfg: Config) -> Run:
         d.max_prompt_length,
         d.overlong_prompts,
         answer_key=d.answer_key,
-        tools=tool_schemas(cfg.tools.names),  # a tool that cannot be used fails here, before anything starts
+        # a tool that cannot be used, or a row whose tools_kwargs do not fit, fails here, before anything starts
+        tools=ToolPlan(cfg.tools) if cfg.tools.enabled else None,
     )
     report_filtered(dataset, d.max_prompt_length)  # over-long prompts left out: said once
     sampler = PromptSampler(len(dataset), d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)

@@ -185,7 +185,7 @@ def resolve_val_files(cfg: Any) -> list[str]:
     if not cfg.model.path and not cfg.data.train_files:
         from .data.prepare import embedded_data_dir
 
-        return [str(embedded_data_dir(tools=bool(cfg.tools.names)) / "test.parquet")]
+        return [str(embedded_data_dir(tools=cfg.tools.enabled) / "test.parquet")]
     return []
 
 
@@ -214,7 +214,7 @@ def load_val_set(cfg: Any, tokenizer: Any, model_path: str, files: list[str] | N
     """The validation prompts of ``files`` (default: :func:`resolve_val_files`), tokenized like training prompts;
     one line (exit 2) for a missing, unreadable or empty file, or when there is none."""
     from .data import load_prompts, report_filtered
-    from .tools.registry import tool_schemas
+    from .tools.plan import ToolPlan
 
     files = resolve_val_files(cfg) if files is None else files
     if not files:
@@ -227,7 +227,7 @@ def load_val_set(cfg: Any, tokenizer: Any, model_path: str, files: list[str] | N
     try:
         data = load_prompts(
             files, d.prompt_key, tokenizer, d.max_prompt_length, d.overlong_prompts, answer_key=d.answer_key,
-            tools=tool_schemas(cfg.tools.names),
+            tools=ToolPlan(cfg.tools) if cfg.tools.enabled else None,
         )  # fmt: skip
     except UserError as exc:
         raise UserError(f"data.val_files: {exc}") from None

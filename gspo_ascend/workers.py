@@ -147,6 +147,33 @@ class PolicyWorker:
         self.rollout_engine.sleep()
         return batch
 
+    def generate_trajectories(
+        self, prompts: list[list[int]], params: SamplingParams, rows: list, first: int, step: int
+    ) -> tuple[SampleBatch, dict[str, float], list]:
+        """Multi-turn rollout of a slice of the step's prompts (``first``: its place in the draw) with every
+        trajectory in flight on this rank's vLLM engine (agent_loop.run_in_flight), the tools in this worker's own
+        tool processes. Returns the batch, the agent and tool metrics, and the tool faults' first lines (the driver
+        says each once)."""
+        from .agent_loop import ToolTurns, run_in_flight
+        from .runtime import load_tokenizer
+        from .tools.toolbox import ToolBox
+
+        if getattr(self, "_agent", None) is None:  # the tool processes start at the first call, stop with the actor
+            tokenizer = load_tokenizer(self.cfg, self.model_path)
+            self._agent = (ToolBox.from_config(self.cfg.tools, stream=[]), ToolTurns.of(tokenizer))
+        box, turns = self._agent
+        t = self.cfg.tools
+        self.rollout_engine.wake_up()
+        try:
+            batch, metrics = run_in_flight(
+                prompts, params, self.rollout_engine.in_flight(params), box, turns, max_turns=t.max_turns,
+                max_calls_per_turn=t.max_calls_per_turn, pad_id=self.rollout_engine.pad_token_id, step=step,
+                rows=rows, first=first,
+            )  # fmt: skip
+        finally:
+            self.rollout_engine.sleep()
+        return batch, metrics | box.metrics(), box.take_lines()
+
     def compute_log_probs(self, batch: SampleBatch, temperature: float):
         return self.train_engine.compute_log_probs(batch, temperature)
 
@@ -203,6 +230,8 @@ class PolicyWorker:
     def shutdown(self) -> None:
         import torch
 
+        if getattr(self, "_agent", None) is not None:  # multi-turn rollout's tool processes
+            self._agent[0].close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -356,6 +385,27 @@ class WorkerGroup:
         done = self._get(calls)
         parts = [done[g * tp].replace(group_index=done[g * tp].group_index + a) for g, (a, _) in enumerate(runs)]
         return SampleBatch.concat(parts)
+
+    def generate_trajectories(
+        self, prompts: list[list[int]], params: SamplingParams, rows: list, step: int
+    ) -> tuple[SampleBatch, dict[str, float], list]:
+        """Multi-turn rollout in flight (:meth:`PolicyWorker.generate_trajectories`): each rank (rollout TP 1) runs a
+        contiguous run of the prompts with about equal trajectories; a trajectory's seeds follow its place in the
+        draw, so the samples do not depend on the layout. Metrics: tool counts summed, ``agent/*`` means over
+        every trajectory."""
+        runs = balanced_runs([params.n] * len(prompts), self.world_size)
+        done = self._get([
+            w.generate_trajectories.remote(prompts[a:b], params, rows[a:b], a, step)
+            for w, (a, b) in zip(self.workers, runs, strict=True)
+        ])  # fmt: skip
+        parts = [b.replace(group_index=b.group_index + a) for (b, _, _), (a, _) in zip(done, runs, strict=True)]
+        batch = SampleBatch.concat(parts)
+        metrics: dict[str, float] = {}
+        for part, got, _ in done:
+            for key, value in got.items():  # agent/* are means over a part's trajectories: weigh by its size
+                metrics[key] = metrics.get(key, 0.0) + (value * len(part) / len(batch) if key.startswith("agent/")
+                                                        else value)  # fmt: skip
+        return batch, metrics, [line for _, _, lines in done for line in lines]
 
     def generate_each(
         self, requests: list[tuple[list[list[int]], SamplingParams]], on_done: Callable[[int], None] | None = None

@@ -33,6 +33,7 @@ class PromptRecord:
     data_source: str
     extra_info: dict = field(default_factory=dict)
     source: str = ""  # "file:row", for messages
+    tools: Any = None  # tools/plan.py's RowTools: what this row's model may call (None: a run without tools)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def _file_rows(path: Path, prompt_key: str, answer_key: str) -> list[dict]:
                 f"dataset file '{path}' has no answer column '{answer_key}' (data.answer_key) nor "
                 f"'{VERL_ANSWER_KEY}' (columns present: {present})"
             )
-    wanted = [prompt_key, answer_col] + [c for c in ("data_source", "extra_info") if c in present]
+    wanted = [prompt_key, answer_col] + [c for c in ("data_source", "extra_info", "agent_name") if c in present]
     return read_rows(path, list(dict.fromkeys(wanted)))
 
 
@@ -112,10 +113,11 @@ def load_prompts(
     overlong: str = "filter",
     *,
     answer_key: str = "answer",
-    tools: list[dict] | None = None,
+    tools: Any = None,
 ) -> PromptDataset:
-    """Read, chat-template and tokenize every prompt of ``files``; ``overlong``: "filter" or "error"; ``tools``: the
-    JSON schemas the template puts before the conversation (multi-turn rollout with tool calls)."""
+    """Read, chat-template and tokenize every prompt of ``files``; ``overlong``: "filter" or "error"; ``tools``: a
+    run's :class:`~gspo_ascend.tools.plan.ToolPlan` (multi-turn rollout with tool calls): each row's tools, whose
+    JSON schemas its template puts before the conversation."""
     if overlong not in ("filter", "error"):
         raise UserError(f"data.overlong_prompts must be 'filter' or 'error', got '{overlong}'")
     paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
@@ -126,7 +128,11 @@ def load_prompts(
         rows = _file_rows(path.expanduser(), prompt_key, answer_key)
         wheres = [f"'{path}' row {i}" for i in range(len(rows))]
         messages = [_messages(row[prompt_key], where, prompt_key) for row, where in zip(rows, wheres, strict=True)]
-        texts = [_template(tokenizer, m, where, tools) for m, where in zip(messages, wheres, strict=True)]
+        row_tools = [_row_tools(tools, row, where) for row, where in zip(rows, wheres, strict=True)]
+        texts = [
+            _template(tokenizer, m, where, tools.schemas(t) if tools else None)
+            for m, where, t in zip(messages, wheres, row_tools, strict=True)
+        ]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         for i, row in enumerate(rows):
             if len(ids[i]) > max_prompt_length:
@@ -143,9 +149,16 @@ def load_prompts(
                 raise UserError(f"{wheres[i]} has no ground truth under '{answer_key}' (data.answer_key)")
             extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
             source = str(row.get("data_source") or "unknown")
-            records.append(PromptRecord(ids[i], messages[i], str(truth), source, extra, f"{path}:{i}"))
+            records.append(PromptRecord(ids[i], messages[i], str(truth), source, extra, f"{path}:{i}", row_tools[i]))
     _check_not_empty(records, filtered, paths, max_prompt_length)
     return PromptDataset(records, filtered, [str(p) for p in paths])
+
+
+def _row_tools(plan: Any, row: dict, where: str) -> Any:
+    if plan is None:
+        return None
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    return plan.row(str(row.get("data_source") or "unknown"), row.get("agent_name"), extra.get("tools_kwargs"), where)
 
 
 def report_filtered(dataset: PromptDataset, max_prompt_length: int, of: str = "") -> None:

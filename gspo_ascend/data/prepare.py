@@ -7,6 +7,11 @@ Output (``train.parquet``, and ``test.parquet`` when the input has a test split)
     ability       str                              "math"
     reward_model  struct<style: str, ground_truth: str>   style "rule"
     extra_info    struct<split: str, index: int64> index = row number in the input split
+    agent_name    str (kind verl, where the input has it)  verl's agent loop: tool_agent | single_turn_agent
+
+Kind ``verl`` reads rows already in that schema (a verl preprocessor's output, e.g. its tool-agent gsm8k) and keeps
+their messages as written, with the tool-use fields: ``agent_name`` and ``extra_info.tools_kwargs`` (what
+tools/plan.py gives each row's tools); its ``extra_info`` struct is then inferred from the rows.
 
 How we differ from verl's preprocess scripts: the same columns (a verl parquet loads here and ours in verl),
 but inputs are local files (no hub), every prompt asks for the answer in ``\\boxed{}`` (DAPO's "Answer:"
@@ -91,7 +96,9 @@ KINDS: dict[str, Kind] = {
 }
 SYNTHETIC = "synthetic"
 SYNTHETIC_TOOLS = "synthetic-tools"  # two-digit products, the tool-use demo's task (tiny_tools.py)
-VALID_KINDS = (*KINDS, SYNTHETIC, SYNTHETIC_TOOLS)
+VERL = "verl"  # rows already in verl's RL schema (e.g. its tool-agent preprocessors'): checked, kept as written
+VALID_KINDS = (*KINDS, SYNTHETIC, SYNTHETIC_TOOLS, VERL)
+_VERL_OPTIONAL = ("data_source", "ability", "extra_info", "agent_name")
 
 
 def output_schema():
@@ -146,13 +153,60 @@ def _convert_split(kind: Kind, files: list[Path], split: str, dedupe: bool) -> t
     }
 
 
+def _convert_verl_split(files: list[Path], split: str, dedupe: bool) -> tuple[list[dict], dict]:
+    """verl-schema rows (kind ``verl``): the prompt messages kept as written (no answer instruction added: the
+    preprocessor that wrote them chose it), the ground truth as text, and the tool-use fields verl's agent loop
+    reads kept: ``agent_name`` and ``extra_info.tools_kwargs`` / ``need_tools_kwargs`` (tools/plan.py reads them).
+    A row without messages or a ground truth is skipped and counted, like the other kinds."""
+    from .sources import columns_of
+
+    rows, seen, skipped, no_question, duplicates, index = [], set(), 0, 0, 0, 0
+    for path in files:
+        optional = [c for c in _VERL_OPTIONAL if c in columns_of(path)]
+        for raw in read_rows(path, ["prompt", "reward_model", *optional]):
+            index += 1
+            reward = raw["reward_model"] if isinstance(raw["reward_model"], dict) else {}
+            truth = _text(reward.get("ground_truth"))
+            prompt = raw["prompt"]
+            if isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            messages = [m for m in prompt or [] if isinstance(m, dict) and _text(m.get("content"))]
+            if truth is None:
+                skipped += 1
+                continue
+            if not messages or len(messages) != len(prompt):
+                no_question += 1
+                continue
+            key = (repr(messages), truth)
+            if dedupe and key in seen:
+                duplicates += 1
+                continue
+            seen.add(key)
+            messages = [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in messages]
+            row = make_row(raw.get("data_source") or "unknown", messages, truth, split, index - 1)
+            row["ability"] = raw.get("ability") or row["ability"]
+            extra = raw.get("extra_info") if isinstance(raw.get("extra_info"), dict) else {}
+            row["extra_info"] |= {k: extra[k] for k in ("tools_kwargs", "need_tools_kwargs") if extra.get(k)}
+            if raw.get("agent_name"):
+                row["agent_name"] = str(raw["agent_name"])
+            rows.append(row)
+    return rows, {"rows": len(rows), "skipped_no_answer": skipped, "skipped_no_question": no_question,
+                  "duplicates_dropped": duplicates}  # fmt: skip
+
+
 def write_parquet(rows: list[dict], path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(pa.Table.from_pylist(rows, schema=output_schema()), tmp)
+    # tool-use rows (kind verl): their tools_kwargs differ per tool, so pyarrow infers the structs (the keys of
+    # all rows, null where a row lacks one), as verl's own writer (datasets) does
+    tooled = any("agent_name" in r or set(r["extra_info"]) - {"split", "index"} for r in rows)
+    if tooled:
+        for r in rows:
+            r.setdefault("agent_name", None)
+    pq.write_table(pa.Table.from_pylist(rows, schema=None if tooled else output_schema()), tmp)
     tmp.replace(path)  # readers never see a half-written file
 
 
@@ -191,7 +245,7 @@ def prepare_data(
 ) -> dict[str, dict]:
     """Convert a local dataset to ``output_dir/{train,test}.parquet``; returns per-split counts and paths.
 
-    ``kind``: gsm8k | math_lighteval | dapo_math (read ``input_path``: one file or a directory) or synthetic
+    ``kind``: gsm8k | math_lighteval | dapo_math | verl (read ``input_path``: one file or a directory) or synthetic
     (the tiny arithmetic task of :mod:`gspo_ascend.tiny`; ``seed``, ``num_train``, ``num_test`` apply; its test
     split holds each of the 39 held-out problems at most once, so ``num_test`` above 39 gives 39).
     """
@@ -207,7 +261,10 @@ def prepare_data(
             raise UserError(f"dataset kind '{kind}' needs an input path (a local .parquet/.jsonl file or directory)")
         by_split, summary = {}, {}
         for split, files in sorted(find_data_files(input_path).items()):
-            by_split[split], summary[split] = _convert_split(KINDS[kind], files, split, dedupe)
+            if kind == VERL:
+                by_split[split], summary[split] = _convert_verl_split(files, split, dedupe)
+            else:
+                by_split[split], summary[split] = _convert_split(KINDS[kind], files, split, dedupe)
     for split, rows in by_split.items():
         if not rows:
             skipped = summary[split]["skipped_no_answer"] + summary[split]["skipped_no_question"]

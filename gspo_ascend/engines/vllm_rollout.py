@@ -175,6 +175,70 @@ def _beside_mindspeed(method: Any) -> Any:
     return wrapper
 
 
+def _vllm_params(params: SamplingParams, q: Request, final_only: bool = False) -> Any:
+    """vLLM's SamplingParams of one request: its own n, budget and seed (child j draws with seed + j)."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    extra = {}
+    if final_only:  # what LLM.generate asks for: one output per request, when it finishes
+        from vllm.sampling_params import RequestOutputKind
+
+        extra["output_kind"] = RequestOutputKind.FINAL_ONLY
+    return VllmSamplingParams(
+        n=q.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0 if params.top_k == -1 else params.top_k,  # vLLM: 0 = off
+        max_tokens=q.max_new_tokens,
+        seed=q.seed,
+        logprobs=0,  # the sampled token's log-prob only
+        detokenize=False,
+        **extra,
+    )
+
+
+class EngineSteps:
+    """agent_loop's Stepper over the LLM's own engine (``LLM.llm_engine``): requests added while others run, each
+    returned when it finishes. ``LLM.generate`` does the same in one go (add every request, step until none is
+    left); multi-turn rollout adds a trajectory's next turn when its tools have answered, so the engine's running
+    batch never waits for one trajectory's tools. The in-process engine of the sync LLM: no server, no asyncio,
+    the same weights, sleep mode and weight sync as ``generate``."""
+
+    def __init__(self, rollout: VLLMRolloutEngine, params: SamplingParams) -> None:
+        self.rollout, self.params, self.serial = rollout, params, 0
+        self.llm = rollout.llm
+
+    def add(self, key: int, prompt: Sequence[int], max_new_tokens: int, seed: int) -> None:
+        q = Request(tuple(int(t) for t in prompt), 1, max_new_tokens, seed)
+        self.rollout._check_request([q], self.params)
+        self.serial += 1
+        with _lifted():  # the request id carries the key; vLLM may add a suffix of its own
+            self.llm.llm_engine.add_request(
+                f"gspo-{key}-{self.serial}",
+                {"prompt_token_ids": list(q.prompt_ids)},
+                _vllm_params(self.params, q, True),
+            )
+
+    def busy(self) -> bool:
+        with _lifted():
+            return self.llm.llm_engine.has_unfinished_requests()
+
+    def step(self) -> list[tuple[int, list[int], list[float], bool]]:
+        with _lifted():
+            outputs = self.llm.llm_engine.step()
+        done = []
+        for out in outputs:
+            if not out.finished:
+                continue
+            (sample,) = out.outputs
+            tokens = list(sample.token_ids)
+            if sample.logprobs is None or len(sample.logprobs) != len(tokens):
+                raise RuntimeError(f"vLLM returned {len(tokens)} tokens without their log-probs for {out.request_id}")
+            logps = [lp[t].logprob for lp, t in zip(sample.logprobs, tokens, strict=True)]
+            done.append((int(out.request_id.split("-")[1]), tokens, logps, sample.finish_reason == "stop"))
+        return done
+
+
 class VLLMRolloutEngine:
     """RolloutEngine over ``vllm.LLM``; see the module docstring."""
 
@@ -315,8 +379,6 @@ class VLLMRolloutEngine:
     def generate_requests(self, requests: Sequence[Request], params: SamplingParams) -> SampleBatch:
         """One ``llm.generate`` call, each request with its own ``SamplingParams`` (n, max_tokens, seed: child j of a
         request draws with seed + j), so a sample does not depend on the requests beside it."""
-        from vllm import SamplingParams as VllmSamplingParams
-
         self._check_request(requests, params)
         if not requests:
             return empty_batch(params.max_new_tokens, self.pad_token_id)
@@ -324,22 +386,15 @@ class VLLMRolloutEngine:
             keys := _raw_differs(params.temperature, params.top_p, params.top_k)
         ):
             self._warn_raw_logprobs(self.logprobs_mode, keys, "see the engine start")
-        per_request = [
-            VllmSamplingParams(
-                n=q.n,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=0 if params.top_k == -1 else params.top_k,  # vLLM: 0 = off
-                max_tokens=q.max_new_tokens,
-                seed=q.seed,
-                logprobs=0,  # the sampled token's log-prob only
-                detokenize=False,
-            )
-            for q in requests
-        ]
+        per_request = [_vllm_params(params, q) for q in requests]
         prompts = [{"prompt_token_ids": list(q.prompt_ids)} for q in requests]
         outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
         return self._to_batch(requests, outputs, params.max_new_tokens)
+
+    def in_flight(self, params: SamplingParams) -> EngineSteps:
+        """Requests added while others run, on this LLM's own engine: multi-turn rollout with every trajectory in
+        flight (agent_loop.run_in_flight). The engine must be awake."""
+        return EngineSteps(self, params)
 
     def _check_request(self, requests: Sequence[Request], params: SamplingParams) -> None:
         if any(q.n < 1 or not 1 <= q.max_new_tokens <= params.max_new_tokens for q in requests):

@@ -41,7 +41,7 @@ def build_schedule(run: Any) -> Schedule:
     cfg = run.cfg
     pool = cfg.rollout_pool
     rounds = cfg.partial_rollout.round_tokens is not None or cfg.dynamic_sampling.enabled
-    if cfg.tools.names:  # multi-turn rollout with tool calls: colocated and synchronous (config._tools)
+    if cfg.tools.enabled:  # multi-turn rollout with tool calls: colocated and synchronous (config._tools)
         return AgentTurns(run)
     if pool.devices_per_node > 0 and not rounds:
         schedule: Schedule = PoolAhead(run, pool.max_staleness)

@@ -3,6 +3,9 @@ turns (agent_loop.py), scored on the whole trajectory's text. Every token is gen
 this step, so no version is carried; the loss trains the model's tokens only (``SampleBatch.loss_mask``).
 
 Validation runs trajectories too, on the held-out prompts (their tool counts as ``val/tools/*``).
+How trajectories run: with vLLM at rollout TP 1, in flight on each rank's engine (agent_loop.run_in_flight: a
+trajectory's next turn joins the running batch when its tools answer; the tools in that worker); otherwise turn by
+turn from the driver (run_turns: each turn one batched call, the tools once, here). The seeds are the same.
 Syncs: after every update, as the synchronous schedule. Checkpoint: nothing in flight (a step's trajectories end
 within the step). The tools' worker processes start at the first call and stop with the run.
 """
@@ -17,31 +20,46 @@ from .base import Produced, Schedule, rollout_params, score, zero_variance_share
 
 class AgentTurns(Schedule):
     def __init__(self, run: Any) -> None:
+        from ..agent_loop import rows_by_prompt
         from ..tools.toolbox import ToolBox
 
         super().__init__(run)
         self.toolbox, self.turns = ToolBox.from_config(run.cfg.tools), ToolTurns.of(run.tokenizer)
+        self.val_rows = rows_by_prompt(run.val_set.records) if run.val_set is not None else None
+        r = run.cfg.rollout
+        self.per_rank = r.engine == "vllm" and r.tensor_parallel_size == 1
 
     def next_batch(self, step: int, timer: Any) -> Produced:
-        run, t = self.run, self.run.cfg.tools
+        run = self.run
         prompts = [run.dataset[i] for i in run.sampler.next_batch()]
         with timer("rollout"):
-            batch, metrics = run_turns(
-                [p.prompt_ids for p in prompts],
-                rollout_params(run, step),
-                run.workers.generate_requests,
-                self.toolbox,
-                self.turns,
-                max_turns=t.max_turns,
-                max_calls_per_turn=t.max_calls_per_turn,
-                pad_id=run.tokenizer.pad_token_id,
-                step=step,
-            )
+            batch, metrics = self._trajectories(prompts, step)
         with timer("reward"):
             rewards, scored = score(run, batch, prompts, step)
-        metrics |= scored | self.toolbox.metrics()
+        metrics |= scored
         metrics["reward/zero_var_group_frac"] = zero_variance_share(rewards, batch.group_index)
         return Produced(batch, rewards, metrics)
+
+    def _trajectories(self, prompts: list, step: int) -> tuple[Any, dict[str, float]]:
+        """In flight on each rank's vLLM engine (rollout TP 1: each rank runs its own trajectories and tools);
+        otherwise turn by turn from here, every turn one batched call across the workers, the tools run once here
+        (hf; vLLM with TP > 1, whose ranks must see identical requests: a rank's own tools could answer
+        differently, e.g. one past its time limit)."""
+        run, t = self.run, self.run.cfg.tools
+        params, rows = rollout_params(run, step), [p.tools for p in prompts]
+        ids = [p.prompt_ids for p in prompts]
+        if self.per_rank:
+            batch, metrics, lines = run.workers.generate_trajectories(ids, params, rows, step)
+            for key, line in lines:  # each tool fault's first line, once for the run
+                if key not in self.toolbox.said:
+                    self.toolbox.said.add(key)
+                    self.toolbox.say(key, line)
+            return batch, metrics
+        batch, metrics = run_turns(
+            ids, params, run.workers.generate_requests, self.toolbox, self.turns, max_turns=t.max_turns,
+            max_calls_per_turn=t.max_calls_per_turn, pad_id=run.tokenizer.pad_token_id, step=step, rows=rows,
+        )  # fmt: skip
+        return batch, metrics | self.toolbox.metrics()
 
     def validation_generate(self) -> Any:
         from ..agent_loop import trajectories_each
@@ -49,7 +67,7 @@ class AgentTurns(Schedule):
         self.toolbox.metrics()  # the training step's counts were taken: what follows is validation's
         run = self.run
         return trajectories_each(run.workers.generate_requests, self.toolbox, self.turns, run.cfg.tools,
-                                 run.tokenizer.pad_token_id)  # fmt: skip
+                                 run.tokenizer.pad_token_id, self.val_rows)  # fmt: skip
 
     def validation_metrics(self) -> dict[str, float]:
         return {f"val/{k}": v for k, v in self.toolbox.metrics().items()}

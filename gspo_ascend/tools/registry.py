@@ -6,10 +6,15 @@ A tool's JSON schema, what the chat template shows the model, is read from its s
 docstring by transformers' ``get_json_schema`` (the same call ``apply_chat_template(tools=[fn])`` makes), so a
 user tool is a plain typed, documented function; one that transformers cannot describe is refused at start in one
 line. Arguments are checked against that schema (jsonschema) before the tool runs.
+
+A tool's keyword-only parameters (after ``*``) are hidden from the model: documented like the others, left out of
+the schema, and filled per row from verl's ``extra_info.tools_kwargs`` (plan.py), e.g. a ground truth a checking
+tool compares with.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -28,6 +33,8 @@ class ToolInfo:
     name: str  # what the model calls it: the function's name
     path: str  # where a worker process finds it
     schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
+    hidden: frozenset[str] = frozenset()  # keyword-only parameters: per-row values, not the model's
+    hidden_required: frozenset[str] = frozenset()  # those without a default
 
 
 @cache
@@ -53,13 +60,14 @@ def describe(spec: str) -> ToolInfo:
             f"tool '{spec}': transformers cannot describe it to the model ({type(exc).__name__}: {exc}); give it "
             "type hints and a Google-style docstring with an Args: section"
         ) from None
-    return ToolInfo(schema["function"]["name"], path, schema)
-
-
-def tool_schemas(names: list[str]) -> list[dict[str, Any]] | None:
-    """The JSON schemas of ``tools.names`` for the prompts' chat template (None without tools); UserError for a
-    tool that cannot be used."""
-    return [describe(name).schema for name in names] or None
+    hidden = {p.name: p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    parameters = schema["function"].get("parameters")
+    if hidden and parameters:
+        parameters["properties"] = {k: v for k, v in parameters.get("properties", {}).items() if k not in hidden}
+        if "required" in parameters:
+            parameters["required"] = [k for k in parameters["required"] if k not in hidden]
+    required = frozenset(k for k, p in hidden.items() if p.default is p.empty)
+    return ToolInfo(schema["function"]["name"], path, schema, frozenset(hidden), required)
 
 
 def check_arguments(info: ToolInfo, arguments: dict[str, Any]) -> str | None:

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import sys
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 from .calls import Malformed, ToolCall
@@ -46,6 +47,18 @@ def _run_in_worker(path: str, arguments: dict[str, Any], max_output_chars: int) 
     return text
 
 
+@dataclass
+class Submitted:
+    """Calls under way: the answers known at once (faults found before running), the futures of the rest."""
+
+    answers: list[str | None]
+    futures: dict[int, tuple[ToolInfo, Any]]
+    step: int | None
+
+    def done(self) -> bool:
+        return all(future.done() for _, future in self.futures.values())
+
+
 class ToolBox:
     def __init__(
         self, names: Sequence[str], *, timeout_s: float, max_output_chars: int, num_workers: int, stream: Any = None
@@ -59,39 +72,59 @@ class ToolBox:
         self._pool: Any = None
 
     @classmethod
-    def from_config(cls, tools: Any) -> ToolBox:
-        """The box of a config's ``tools`` section (``tools.names`` and its bounds)."""
-        return cls(tools.names, timeout_s=tools.timeout_s, max_output_chars=tools.max_output_chars,
-                   num_workers=tools.num_workers)  # fmt: skip
+    def from_config(cls, tools: Any, stream: Any = None) -> ToolBox:
+        """The box of a config's ``tools`` section: every tool some row may call (plan.py), and the bounds."""
+        from .plan import ToolPlan
+
+        return cls(ToolPlan(tools).specs, timeout_s=tools.timeout_s, max_output_chars=tools.max_output_chars,
+                   num_workers=tools.num_workers, stream=stream)  # fmt: skip
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
         """For ``apply_chat_template(tools=...)``."""
         return [i.schema for i in self.tools.values()]
 
-    def call(self, calls: Sequence[ToolCall | Malformed], step: int | None = None) -> list[str]:
-        """Every call at once (the worker processes run them in parallel); what each tells the model, in order."""
+    def call(
+        self, calls: Sequence[ToolCall | Malformed], step: int | None = None, rows: Sequence[Any] | None = None
+    ) -> list[str]:
+        """Every call at once (the worker processes run them in parallel); what each tells the model, in order.
+        ``rows``: each call's row's tools (plan.py's RowTools: the tools it may call, their hidden arguments);
+        None: every tool, none hidden."""
+        return self.collect(self.submit(calls, step, rows))
+
+    def submit(
+        self, calls: Sequence[ToolCall | Malformed], step: int | None = None, rows: Sequence[Any] | None = None
+    ) -> Submitted:
+        """:meth:`call` started, not waited for (trajectories in flight: agent_loop.run_in_flight)."""
         answers: list[str | None] = [None] * len(calls)
         futures = {}
         for i, call in enumerate(calls):
+            row = rows[i] if rows is not None else None
             try:
-                info = self._check(call)
+                info = self._check(call, row)
             except ToolFault as fault:
                 answers[i] = self._fault(getattr(call, "name", "?"), fault, step)
                 continue
+            arguments = {**call.arguments, **(row.kwargs.get(info.name, {}) if row is not None else {})}
             futures[i] = (info, self._workers().schedule(
-                _run_in_worker, args=(info.path, call.arguments, self.max_output_chars), timeout=self.timeout_s
+                _run_in_worker, args=(info.path, arguments, self.max_output_chars), timeout=self.timeout_s
             ))  # fmt: skip
-        for i, (info, future) in futures.items():
-            answers[i] = self._answer(info, future, step)
+        return Submitted(answers, futures, step)
+
+    def collect(self, submitted: Submitted) -> list[str]:
+        """The answers of :meth:`submit`'s calls, in order (waits for those still running)."""
+        answers = submitted.answers
+        for i, (info, future) in submitted.futures.items():
+            answers[i] = self._answer(info, future, submitted.step)
         return [a if a is not None else "" for a in answers]
 
-    def _check(self, call: ToolCall | Malformed) -> ToolInfo:
+    def _check(self, call: ToolCall | Malformed, row: Any) -> ToolInfo:
         if isinstance(call, Malformed):
             raise ToolFault("malformed", call.reason)
-        info = self.tools.get(call.name)
+        allowed = sorted(self.tools) if row is None else sorted(row.names)
+        info = self.tools.get(call.name) if call.name in allowed else None
         if info is None:
-            raise ToolFault("unknown_tool", f"there is no tool named {call.name!r}; the tools are {sorted(self.tools)}")
+            raise ToolFault("unknown_tool", f"there is no tool named {call.name!r}; the tools are {allowed}")
         self.counts[f"tools/{info.name}/calls"] += 1
         problem = check_arguments(info, call.arguments)
         if problem is not None:
@@ -116,18 +149,31 @@ class ToolBox:
             return self._fault(info.name, ToolFault("crashed", f"the tool worker processes died ({exc})"), step)
 
     def _fault(self, name: str, fault: ToolFault, step: int | None) -> str:
-        who = name if name in self.tools else "_call"  # malformed and unknown calls belong to no tool
+        # malformed calls and calls of a tool the row does not have belong to no tool
+        who = name if name in self.tools and fault.kind != "unknown_tool" else "_call"
         self.counts[f"tools/{who}/{fault.kind}"] += 1
         if (who, fault.kind) not in self.said:
             self.said.add((who, fault.kind))
             at = f" at step {step}" if step is not None else ""
-            print(
-                f"warning: tool call {fault.kind}{at} ({who}): {fault.message} (the model is told; counted in "
-                f"tools/{who}/{fault.kind}; said once per tool and fault)",
-                file=self.stream or sys.stderr,
-                flush=True,
-            )
+            counted = f"counted in tools/{who}/{fault.kind}; said once per tool and fault"
+            self.say((who, fault.kind), f"warning: tool call {fault.kind}{at} ({who}): {fault.message} (the model is "
+                                        f"told; {counted})")  # fmt: skip
         return f"error: {fault.message}"
+
+    def say(self, key: tuple[str, str], line: str) -> None:
+        """A fault's line, the first time: on ``stream`` (stderr), or kept for :meth:`take_lines` when ``stream`` is
+        a list (a Ray worker's box: the driver says it, once for the run)."""
+        if isinstance(self.stream, list):
+            self.stream.append((key, line))
+        else:
+            print(line, file=self.stream or sys.stderr, flush=True)
+
+    def take_lines(self) -> list[tuple[tuple[str, str], str]]:
+        """The lines kept since the last call (``stream`` a list)."""
+        lines = list(self.stream) if isinstance(self.stream, list) else []
+        if lines:
+            self.stream.clear()
+        return lines
 
     def metrics(self) -> dict[str, float]:
         """The counts since the last call (a step's)."""

@@ -30,13 +30,18 @@ from .signatures import Call, bind, find, signature, vllm_calls
 
 # Who ``self`` is in our classes: the engine's ``self.llm`` is a ``vllm.LLM``; the worker extension's ``self`` is
 # the vLLM worker (its ``gspo_`` attributes are ours).
-OUR_RECEIVERS: dict[str, dict[str, str] | str] = {"VLLMRolloutEngine": {"llm": "llm"}, "WeightSyncExtension": "worker"}
+OUR_RECEIVERS: dict[str, dict[str, str] | str] = {
+    "VLLMRolloutEngine": {"llm": "llm"},
+    "EngineSteps": {"llm": "llm"},  # multi-turn rollout in flight: the same LLM's engine
+    "WeightSyncExtension": "worker",
+}
 
 # The pinned classes behind those receivers on the NPU path (vllm-ascend replaces vLLM's worker, model runner
 # and platform). The model is a Qwen3 or Qwen3-MoE (the shipped configs); the sync LLM's engine core client is
 # in-process (external launcher) or the multiprocess one (vLLM's default).
 RECEIVERS = {
     "llm": ("vllm.entrypoints.llm.LLM",),
+    "llm.llm_engine": ("vllm.v1.engine.llm_engine.LLMEngine",),
     "llm.llm_engine.engine_core": (
         "vllm.v1.engine.core_client.InprocClient",
         "vllm.v1.engine.core_client.SyncMPClient",

@@ -50,3 +50,23 @@ def test_the_tool_demo_calls_the_calculator_trains_validates_and_its_export_eval
     generated = [json.loads(x) for x in (evaluated / "generations.jsonl").read_text().splitlines()]
     answers = [json.loads(x) for x in (out / "validation" / "step_00000002.jsonl").read_text().splitlines()]
     assert [g["response"] for g in generated[: len(answers)]] == [a["response"] for a in answers]
+
+
+def test_the_tool_demo_on_vllm_runs_its_trajectories_in_flight_on_each_rank(tmp_path):
+    """The demo on the vLLM engine at rollout TP 1 over two workers: each rank's engine runs its share of the
+    trajectories in flight (agent_loop.run_in_flight over vLLM's own engine), with its own tool workers; the driver
+    gathers them. One step, 8 prompts x 4 samples. Expected: the loop that ran (``agent/in_flight``), real calls
+    (about 30% by the warm start), a call answered by a second model turn, the counts gathered from both ranks."""
+    out = tmp_path / "tools-vllm"
+    config = ["--config", str(REPO / "configs" / "tiny_gspo_tools.yaml")]
+    overrides = ("rollout.engine=vllm", "trainer.devices_per_node=2", "trainer.total_steps=1", "trainer.test_freq=0",
+                 "trainer.val_before_train=false", "data.train_batch_size=8", "rollout.n=4")  # fmt: skip
+    proc = subprocess.run([*train_cmd(out, *overrides), *config], capture_output=True, text=True, cwd=REPO,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = read_metrics(out)
+    assert r["agent/in_flight"] == 1.0
+    calls = r["tools/calculator/calls"] + r.get("tools/_call/malformed", 0)
+    assert 0.05 < r["agent/tool_call_rate"] < 0.9 and calls == pytest.approx(r["agent/tool_calls_mean"] * 32)
+    assert r["agent/turns_mean"] == pytest.approx(1 + r["agent/tool_call_rate"], abs=0.05)
+    assert r["reward/mean"] > 0.05 and math.isfinite(r["actor/grad_norm"])

@@ -240,6 +240,38 @@ class TestDense:
         assert _masked_max_diff(batch.rollout_log_probs, expected, batch.loss_mask) <= TOLERANCE
         assert bool((batch.rollout_log_probs[(batch.response_mask - batch.loss_mask).bool()] == 0).all())
 
+    def test_trajectories_in_flight_are_the_turn_by_turn_ones(self, synced, path):
+        """Multi-turn rollout in flight on vLLM's own engine (agent_loop.run_in_flight over EngineSteps: a turn's
+        request is added while the others run) gives the trajectories of one batched generate per turn
+        (run_turns) with the same seeds: the same tokens and masks, log-probs within TOLERANCE, and those of the
+        model's tokens match transformers over the whole trajectory. Parser stand-in as above (test-only)."""
+        from transformers import AutoTokenizer
+
+        from gspo_ascend.agent_loop import ToolTurns, run_in_flight, run_turns
+        from gspo_ascend.engines.base import SamplingParams
+        from gspo_ascend.tools.toolbox import ToolBox
+        from tests.unit.test_agent_loop import one_call_per_turn
+
+        engine, hf_new, _ = synced
+        turns = ToolTurns(AutoTokenizer.from_pretrained(path), "<|im_end|>")
+        params = SamplingParams(n=2, temperature=0.8, max_new_tokens=64, seed=11)
+        box = ToolBox(["calculator"], timeout_s=30.0, max_output_chars=100, num_workers=1)
+        kw = dict(max_turns=3, max_calls_per_turn=1, pad_id=PAD, parse=one_call_per_turn)
+        events: list = []
+        try:
+            batched, _ = run_turns(_prompts(path, 4), params, engine.generate_requests, box, turns, **kw)
+            flying, metrics = run_in_flight(_prompts(path, 4), params, engine.in_flight(params), box, turns,
+                                            events=events, **kw)  # fmt: skip
+        finally:
+            box.close()
+        assert metrics["agent/turns_mean"] >= 2
+        assert torch.equal(flying.response_ids, batched.response_ids)
+        assert torch.equal(flying.loss_mask, batched.loss_mask) and torch.equal(flying.finished, batched.finished)
+        assert _masked_max_diff(flying.rollout_log_probs, batched.rollout_log_probs, flying.loss_mask) <= TOLERANCE
+        expected = _hf_log_probs(hf_new, flying, params.temperature)
+        assert _masked_max_diff(flying.rollout_log_probs, expected, flying.loss_mask) <= TOLERANCE
+        assert sum(1 for e in events if e[0] == "turn") == int(metrics["agent/turns_mean"] * len(flying))
+
     def test_log_probs_match_hf_after_weight_sync(self, synced, path):
         from gspo_ascend.engines.base import SamplingParams
 

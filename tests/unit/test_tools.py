@@ -299,15 +299,16 @@ def test_tools_make_the_agent_schedule_and_the_prompts_carry_the_schemas():
     from gspo_ascend.schedules.agent import AgentTurns
     from gspo_ascend.schedules.synchronous import Synchronous
     from gspo_ascend.tiny import ensure_tiny_model
-    from gspo_ascend.tools.registry import tool_schemas
+    from gspo_ascend.tools.plan import ToolPlan
 
     tokenizer = _load_tokenizer(str(ensure_tiny_model()))
     cfg = load_config(None, [CALC])
-    schedule = build_schedule(SimpleNamespace(cfg=cfg, tokenizer=tokenizer, resume_from=None))
+    schedule = build_schedule(SimpleNamespace(cfg=cfg, tokenizer=tokenizer, resume_from=None, val_set=None))
     assert isinstance(schedule, AgentTurns) and schedule.turns.separator == "\n"
     schedule.close()
     plain = load_config(None, [])
     assert isinstance(build_schedule(SimpleNamespace(cfg=plain, resume_from=None)), Synchronous)
-    assert tool_schemas(plain.tools.names) is None
-    (schema,) = tool_schemas(cfg.tools.names)
+    assert not plain.tools.enabled
+    plan = ToolPlan(cfg.tools)
+    (schema,) = plan.schemas(plan.row("any/source", None, None, "here"))
     assert schema["function"]["name"] == "calculator"

@@ -120,10 +120,28 @@ SETTINGS = (
 
 
 def decode_batch(cfg) -> int:
-    """Sequences one rollout engine decodes at once: the batch's samples over the rollout groups."""
-    world = cfg.trainer.nnodes * cfg.trainer.devices_per_node
-    groups = max(world // max(cfg.rollout.tensor_parallel_size, 1), 1)
+    """Sequences one rollout engine decodes at once: the batch's samples over the rollout groups, on the devices
+    that generate (the rollout pool's in a disaggregated run, else the trainer's: config.rollout_world)."""
+    from .config import rollout_world
+
+    groups = max(rollout_world(cfg) // max(cfg.rollout.tensor_parallel_size, 1), 1)
     return max(cfg.data.train_batch_size * cfg.rollout.n // groups, 1)
+
+
+# vLLM 0.11.0 (vllm-ascend 0.11's line) engine/arg_utils.py `_set_default_args`: the LLM class's max_num_seqs is
+# min(256, max_num_batched_tokens) on a device under 70 GiB (every Atlas A2 NPU: 64 GB); a larger batch never runs
+NPU_MAX_NUM_SEQS = 256
+
+
+def engine_seqs(cfg) -> tuple[int, str]:
+    """The most sequences one engine decodes at once, and what bounds it."""
+    limit = decode_batch(cfg)
+    why = "the sequences one rollout engine decodes at once (data.train_batch_size x rollout.n / rollout groups)"
+    if cfg.trainer.device == "npu":
+        seqs = min(NPU_MAX_NUM_SEQS, cfg.rollout.max_num_batched_tokens)
+        if seqs < limit:
+            limit, why = seqs, "vLLM's max_num_seqs on a 64 GB NPU (min(256, rollout.max_num_batched_tokens))"
+    return limit, why
 
 
 def _graph_keys_set(r) -> list[str]:
@@ -147,13 +165,12 @@ def graph_problems(cfg) -> Iterable[str]:
             yield f"config key 'rollout.cudagraph_mode' is '{r.cudagraph_mode}'; use one of {', '.join(modes)}{why}"
     sizes = r.cudagraph_capture_sizes
     if sizes is not None:
-        limit = decode_batch(cfg)
+        limit, why = engine_seqs(cfg)
         if not sizes or any(s <= 0 for s in sizes):
             yield f"config key 'rollout.cudagraph_capture_sizes' must be a non-empty list of sizes > 0, got {sizes}"
         elif max(sizes) > limit:
             yield (
-                f"config key 'rollout.cudagraph_capture_sizes' has {max(sizes)} > {limit}, the sequences one "
-                "rollout engine decodes at once (data.train_batch_size x rollout.n / rollout groups); such a graph "
+                f"config key 'rollout.cudagraph_capture_sizes' has {max(sizes)} > {limit}, {why}; such a graph "
                 f"is captured and never replayed: keep sizes <= {limit}"
             )
 

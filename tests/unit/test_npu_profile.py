@@ -52,6 +52,22 @@ def test_graph_keys_refused_in_one_line(overrides, fragment):
     assert "\n" not in str(info.value)
 
 
+DISAGG = ["--config", "configs/qwen3_30b_a3b_gspo_disagg.yaml"]
+
+
+def test_capture_sizes_are_checked_on_the_rollout_pools_engines_and_vllms_own_batch_limit():
+    """Audit 3 finding 7: the disaggregated config's 2 engines (a pool of 2 nodes x 2 devices at TP 2) each decode
+    128 x 8 / 2 = 512 sequences; the old check divided by the trainer's 12 devices (170) and refused 256. On a 64 GB
+    NPU vLLM 0.11 decodes at most min(256, max_num_batched_tokens) at once (arg_utils.py), so 384 is refused."""
+    from gspo_ascend.config import load_config as load
+
+    base = [*GRAPH, "trainer.device=npu", "rollout.cudagraph_mode=FULL_DECODE_ONLY"]
+    cfg = load(str(REPO / DISAGG[1]), [*base, "rollout.cudagraph_capture_sizes=[8,64,128,256]"])
+    assert npu_profile.decode_batch(cfg) == 512 and npu_profile.engine_seqs(cfg)[0] == 256
+    with pytest.raises(ConfigError, match=re.escape("has 384 > 256, vLLM's max_num_seqs on a 64 GB NPU")):
+        load(str(REPO / DISAGG[1]), [*base, "rollout.cudagraph_capture_sizes=[8,384]"])
+
+
 def test_graph_keys_accepted_and_passed_to_vllm():
     cfg = _load(*GRAPH, "trainer.device=npu", "rollout.cudagraph_mode=FULL_DECODE_ONLY",
                 "rollout.cudagraph_capture_sizes=[64, 8, 128, 8]")  # fmt: skip

@@ -86,12 +86,14 @@ SETTINGS = (
     ),
     Setting(
         "CPU_AFFINITY_CONF", "1", "env/npu/mc2_env.yaml", "torch_npu 2.7.1 OptionsManager GetCpuAffinityConf",
-        "coarse core binding of each NPU's host threads (off by default)",
+        "each actor turns 1 into 1,npu0:a-b, its NPU's share of the node's cores (actor_cpu_affinity): 1 alone binds "
+        "every one-NPU actor to all cores",
     ),
     Setting(
-        "MULTI_STREAM_MEMORY_REUSE", "1", "env/npu/mc2_env.yaml",
+        "MULTI_STREAM_MEMORY_REUSE", "1", "left out",
         "torch_npu 2.7.1 OptionsManager GetMultiStreamMemoryReuse (ReuseMode 1 = ERASE_RECORD_STREAM)",
-        "frees blocks used on side streams without waiting for record_stream events",
+        "1 is torch_npu's default (OptionsManager.cpp, ../shared/reference/upstream-audit-3.md section 4): setting it "
+        "changes nothing",
     ),
     Setting(
         "LD_PRELOAD", "libjemalloc.so.2", "env/npu/atlas_800t_a2.sh (when found)", "glibc's dynamic loader",
@@ -117,6 +119,22 @@ SETTINGS = (
         "acts only with DENSE_OPTIMIZE=1 and forwards under 500 tokens (ascend_forward_context.py)",
     ),
 )  # fmt: skip
+
+
+def actor_cpu_affinity(conf: str | None, npu_ids: list[str], node_npus: int, cores: int) -> str | None:
+    """What ``CPU_AFFINITY_CONF`` an actor holding the NPUs ``npu_ids`` (Ray's physical ids) should start torch_npu
+    with, on a node of ``node_npus`` NPUs and ``cores`` online cores; None to leave the value as it is.
+
+    torch_npu 2.7.1 (NPUAffinityController.cpp, ../shared/reference/upstream-audit-3.md section 4): mode 1 binds
+    the threads of device d to ``ranges[d]``, by default ``[d * block, (d + 1) * block - 1]`` with ``block = cores
+    / device_count()``. Ray makes one NPU visible per actor, so device_count() is 1 and "1" binds every actor to
+    all cores. An ``npuN:a-b`` option sets a range: each actor gets ``1,npu0:a-b`` with the range its NPU would
+    have if the node's NPUs were all visible (verl's layout, where "1" works as the guide means). Only the profile's
+    plain "1" is refined; a value with ranges of its own, another mode, or an actor of several NPUs is left alone."""
+    if (conf or "").strip() not in ("1", "mode:1") or len(npu_ids) != 1 or node_npus < 1 or cores < node_npus:
+        return None
+    block, device = cores // node_npus, int(npu_ids[0])
+    return f"1,npu0:{device * block}-{(device + 1) * block - 1}"
 
 
 def decode_batch(cfg) -> int:

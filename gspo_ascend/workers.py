@@ -38,6 +38,24 @@ FORWARDED_ENV = (
 )
 
 
+def bind_cpu_cores() -> None:
+    """The NPU profile's ``CPU_AFFINITY_CONF=1`` refined to this actor's NPU's share of the node's cores
+    (npu_profile.actor_cpu_affinity, audit 3 finding 4); nothing outside a Ray actor."""
+    import ray
+
+    from .npu_profile import actor_cpu_affinity
+
+    if not ray.is_initialized():
+        return
+    ctx = ray.get_runtime_context()
+    node = ctx.get_node_id()
+    npus = next((int(n["Resources"].get("NPU", 0)) for n in ray.nodes() if n["NodeID"] == node), 0)
+    conf = actor_cpu_affinity(os.environ.get("CPU_AFFINITY_CONF"), ctx.get_accelerator_ids().get("NPU", []), npus,
+                              os.sysconf("SC_NPROCESSORS_ONLN"))  # fmt: skip
+    if conf is not None:
+        os.environ["CPU_AFFINITY_CONF"] = conf
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -74,6 +92,8 @@ class PolicyWorker:
 
         torch.set_num_threads(self.threads)  # Ray does not pin threads; 2 workers on 2 cores must not fight
         hf_logging.disable_progress_bar()  # per-worker "Loading weights" bars would bury the step line
+        if self.cfg.trainer.device == "npu":
+            bind_cpu_cores()  # before set_device starts torch_npu's threads, which read CPU_AFFINITY_CONF
         backend = get_backend(self.cfg.trainer.device)
         backend.set_device(0)  # Ray makes exactly the bundle's device visible to this process
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))

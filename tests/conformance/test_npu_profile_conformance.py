@@ -37,22 +37,27 @@ def test_profile_table_is_what_env_npu_sets():
             assert s.name not in env, f"{s.name} is {s.where} but env/npu sets it"
 
 
-def test_multi_stream_memory_reuse_is_read_and_takes_1():
-    assert SETTINGS["MULTI_STREAM_MEMORY_REUSE"].where == "env/npu/mc2_env.yaml"
+def test_multi_stream_memory_reuse_is_left_at_torch_npus_default():
+    """verl's guide sets 1, torch_npu's default (ERASE_RECORD_STREAM, OptionsManager.cpp per audit 3 section 4; the
+    .cpp is not in the wheel): left out, and 1 is the mode the header names ERASE_RECORD_STREAM."""
+    assert SETTINGS["MULTI_STREAM_MEMORY_REUSE"].where == "left out"
+    assert "MULTI_STREAM_MEMORY_REUSE" not in profile_vars()
     assert "GetMultiStreamMemoryReuse" in CXX_READERS["MULTI_STREAM_MEMORY_REUSE"][1]
     assert torch_npu_reader("MULTI_STREAM_MEMORY_REUSE")  # header declares the reader, the .so holds the name
     header = upstream_file("torch-npu", OPTIONS_H).read_text()
     enum = re.search(r"enum ReuseMode \{([^}]*)\}", header)[1]
     modes = {int(v): k for k, v in re.findall(r"(\w+)\s*=\s*(\d+)", enum)}
-    assert modes[int(profile_vars()["MULTI_STREAM_MEMORY_REUSE"])] == "ERASE_RECORD_STREAM"
-    assert b"MULTI_STREAM_MEMORY_REUSE should be 0, 1 or 2" in _library()  # any other value is refused
+    assert modes[int(SETTINGS["MULTI_STREAM_MEMORY_REUSE"].value)] == "ERASE_RECORD_STREAM"
 
 
-def test_cpu_affinity_conf_is_read_and_takes_1():
+def test_cpu_affinity_conf_is_read_and_each_actor_gets_its_npus_range():
     assert torch_npu_reader("CPU_AFFINITY_CONF")
     header = upstream_file("torch-npu", OPTIONS_H).read_text()
     assert "static char* GetCpuAffinityConf();" in header
     assert b"parseCPUAffinityConf" in _library() and profile_vars()["CPU_AFFINITY_CONF"] == "1"
+    # the npuN:a-b form actor_cpu_affinity writes is parsed by the pinned library (its messages for that form)
+    assert b"core range is %s-%s, should be all digits" in _library()
+    assert b"Set thread affinity to user-defined range %d-%d success." in _library()
     # a host whose driver lacks the DCMI affinity query loses the binding, not the run
     assert b"The npu_affine configuration of CPU_AFFINITY_CONF will be disabled." in _library()
 

@@ -196,13 +196,13 @@ def _doctor(tmp_path, env, config=None, jemalloc=False):
 
 
 def test_doctor_reports_the_profile_in_effect_and_what_is_missing(tmp_path):
-    profile = {"CPU_AFFINITY_CONF": "1", "MULTI_STREAM_MEMORY_REUSE": "1", "LD_PRELOAD": "/usr/lib64/libjemalloc.so.2"}
+    profile = {"CPU_AFFINITY_CONF": "1", "LD_PRELOAD": "/usr/lib64/libjemalloc.so.2"}
     bare_env = {k: v for k, v in SOURCED.items() if k not in profile}
     graphs = _load(*GRAPH, "rollout.cudagraph_mode=FULL_DECODE_ONLY")
     ok = _doctor(tmp_path / "a", {**bare_env, **profile, "TASK_QUEUE_ENABLE": "1"}, config=graphs)
     assert set(ok) == {"npu-profile"} and ok["npu-profile"].status == "ok"
     assert ok["npu-profile"].finding == (
-        "in effect: CPU_AFFINITY_CONF=1, MULTI_STREAM_MEMORY_REUSE=1, jemalloc (/usr/lib64/libjemalloc.so.2); "
+        "in effect: CPU_AFFINITY_CONF=1, jemalloc (/usr/lib64/libjemalloc.so.2); "
         "rollout: ACL graphs (FULL_DECODE_ONLY, capture sizes vLLM's default sizes)"
     )
     eager_queue = _doctor(tmp_path / "q", {**bare_env, **profile}, config=graphs)  # SOURCED has TASK_QUEUE_ENABLE=2
@@ -225,3 +225,40 @@ def test_doctor_says_nothing_of_the_profile_off_npu(tmp_path):
 def test_install_guide_holds_the_profile_table():
     doc = (REPO / "docs/install-npu.md").read_text()
     assert npu_profile.render_table() in doc, "copy gspo_ascend.npu_profile.render_table() into docs/install-npu.md"
+
+
+@pytest.mark.parametrize(
+    ("conf", "ids", "npus", "cores", "want"),
+    [
+        # 192 cores, 8 NPUs: block 24 (torch_npu's default range of device 3 when all 8 are visible)
+        ("1", ["3"], 8, 192, "1,npu0:72-95"),
+        ("mode:1", ["0"], 8, 192, "1,npu0:0-23"),
+        ("1", ["7"], 8, 190, "1,npu0:161-183"),  # 190 // 8 = 23: the last cores stay unbound, as in torch_npu
+        ("1,npu0:0-3", ["3"], 8, 192, None),  # the user's own ranges
+        ("2", ["3"], 8, 192, None),  # fine mode: torch_npu's per-thread map
+        (None, ["3"], 8, 192, None),  # off
+        ("1", ["2", "3"], 8, 192, None),  # an actor of several NPUs: torch_npu's own ranges apply
+    ],
+)
+def test_each_actor_binds_to_its_npus_share_of_the_cores(conf, ids, npus, cores, want):
+    assert npu_profile.actor_cpu_affinity(conf, ids, npus, cores) == want
+
+
+def test_an_npu_actor_sets_its_range_before_torch_npu_starts(monkeypatch):
+    """workers.bind_cpu_cores with Ray's runtime context standing in (test-only: the actor holds physical NPU 5 of a
+    node of 8 with 64 cores): CPU_AFFINITY_CONF=1 becomes 1,npu0:40-47. On the old main it stayed 1."""
+    import types
+
+    import ray
+
+    from gspo_ascend import workers
+
+    ctx = types.SimpleNamespace(get_node_id=lambda: "n1", get_accelerator_ids=lambda: {"NPU": ["5"]})
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: ctx)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "n0", "Resources": {"NPU": 4.0}},
+                                               {"NodeID": "n1", "Resources": {"NPU": 8.0}}])  # fmt: skip
+    monkeypatch.setattr(workers.os, "sysconf", lambda name: 64)
+    monkeypatch.setenv("CPU_AFFINITY_CONF", "1")
+    workers.bind_cpu_cores()
+    assert workers.os.environ["CPU_AFFINITY_CONF"] == "1,npu0:40-47"

@@ -266,10 +266,22 @@ class PolicyWorker:
 def actor_env(cfg: Config, backend) -> dict[str, str]:
     """Environment each actor process must start with: variables torch_npu reads once, at its start, which
     happens in :meth:`PolicyWorker.setup` (``get_backend``) before any engine is built
-    (:func:`~gspo_ascend.engines.vllm_env.process_start_env`). A value exported on the driver wins."""
+    (:func:`~gspo_ascend.engines.vllm_env.process_start_env`). A value exported on the driver wins. With MindSpeed
+    (megatron on NPU), the Megatron-LM checkout the driver imports ``megatron.training`` from (megatron_lm.py)."""
     from .engines.vllm_env import process_start_env
 
-    return {key: os.environ.get(key, value) for key, value in process_start_env(cfg, backend).items()}
+    env = {key: os.environ.get(key, value) for key, value in process_start_env(cfg, backend).items()}
+    if cfg.actor.engine == "megatron" and cfg.trainer.device == "npu":
+        from .megatron_lm import training_root
+
+        # MindSpeed 26.1.0 imports Megatron-LM's megatron.training: its checkout on every actor's path, not only
+        # in the shell that ran the install (Ray puts runtime_env's PYTHONPATH before the node's own)
+        root = training_root()
+        if root is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [root, *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
+            )
+    return env
 
 
 def _init_ray(backend, world_size: int) -> None:

@@ -69,6 +69,9 @@ def observed(ctx) -> dict[str, str]:
     found = mindspeed_branch(mindspeed_package_dir()) if ctx.planned is None and "mindspeed" in seen else None
     if found:
         seen["mindspeed-branch"], seen["mindspeed-evidence"] = found
+        from ..megatron_lm import training_root
+
+        seen["megatron-training"] = training_root() or ""  # "": not importable on this node
     return seen
 
 
@@ -215,6 +218,27 @@ def check_mindspeed(seen: dict[str, str]) -> list[Check]:
     return [Check("compat-mindspeed", "ok", f"MindSpeed {ms} with megatron-core {core or '-'}")]
 
 
+def check_megatron_training(seen: dict[str, str]) -> list[Check]:
+    """MindSpeed 26.1.0 imports Megatron-LM's ``megatron.training``: importable on this node (megatron_lm.py)?"""
+    from ..megatron_lm import MINDSPEED_NEEDS_IT
+
+    branch, root = seen.get("mindspeed-branch"), seen.get("megatron-training")
+    if branch not in MINDSPEED_NEEDS_IT or root is None:
+        return []
+    if root:
+        return [Check("megatron-lm", "ok", f"megatron.training (MindSpeed {branch} imports it) from {root}")]
+    return [
+        Check(
+            "megatron-lm",
+            "fail",
+            f"MindSpeed {branch} imports Megatron-LM's megatron.training, which this Python cannot import (PyPI's "
+            "megatron-core has megatron.core only)",
+            "put the Megatron-LM core_v0.12.1 checkout on the venv's path: echo /path/to/Megatron-LM > "
+            "\"$(python -c 'import site; print(site.getsitepackages()[0])')/megatron-lm.pth\" (docs/install-npu.md)",
+        )
+    ]
+
+
 def check_known_bad(seen: dict[str, str], platform: str) -> list[Check]:
     return [
         Check(f"known-bad-{bad.package}", "fail", f"{bad.package} {seen[bad.package]}: {bad.problem}", bad.fix)
@@ -318,5 +342,6 @@ def package_checks(ctx) -> list[Check]:
     checks = check_python(ctx) + check_listing(ctx)
     if platform == "npu":
         checks += check_torch_npu_pair(seen) + check_vllm_ascend(seen) + check_mindspeed(seen)
+        checks += check_megatron_training(seen)
     checks += check_known_bad(seen, platform) + check_requirements(seen, platform)
     return checks + check_stack(seen, platform, declared_requirements(ctx))

@@ -270,6 +270,30 @@ def vllm_ascend_non_torch(cfg, hw: Profile) -> tuple[int, int]:
     return hw.reserved_mib * 2**20, communicators * 2 * HCCL_BUFFSIZE_MB * 2**20
 
 
+def training_communicators(cfg, spec: ModelSpec) -> list[str]:
+    """The process groups of more than one rank a trainer device runs collectives in during a step. HCCL makes a
+    communicator for a group on its first collective and keeps it: 2 x HCCL_BUFFSIZE on every member, never
+    released (../shared/reference/upstream-audit-3.md section 3). megatron-core's parallel_state.py creates dp and
+    dp-cp as separate groups even at CP 1, and tp, pp, mp (grad norm, our shard gathers), ep and the expert-dp of
+    the distributed optimizer; the world group carries our barriers, and colocated, vLLM's TP group is in the same
+    process. FSDP: its world mesh and Ulysses' SP group."""
+    lay = layout(cfg)
+    if cfg.actor.engine == "fsdp":
+        groups = {"world": lay.world, "ulysses sp": lay.sp}
+    else:
+        groups = {"world": lay.world, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "dp-cp": lay.dp * lay.cp,
+                  "mp": lay.tp * lay.pp}  # fmt: skip
+        if spec.is_moe:
+            groups |= {"ep": lay.ep, "expert dp": lay.edp}
+    if not disaggregated(cfg):
+        groups["vllm tp"] = cfg.rollout.tensor_parallel_size
+    return [name for name, size in groups.items() if size > 1]
+
+
+def communicator_bytes(groups: list[str]) -> int:
+    return len(groups) * 2 * HCCL_BUFFSIZE_MB * 2**20
+
+
 def disaggregated(cfg) -> bool:
     """A rollout pool (pools.py): its devices hold no actor state, the trainer's no KV cache."""
     return cfg.rollout_pool.devices_per_node > 0
@@ -309,33 +333,44 @@ def export_bytes(cfg, spec: ModelSpec) -> int:
     return e * max(2 * experts, spec.embedding_params)
 
 
-def sync_phase(cfg, spec: ModelSpec, train: Phase) -> Phase:
+def sync_phase(cfg, spec: ModelSpec, train: Phase, comms: int = 0) -> Phase:
     """The weight sync (workers.PolicyWorker.sync_weights): the rollout engine's weights woken, its KV cache still
     asleep; the train engine's parameters brought up for the export (with actor.offload; without it, its whole
     state stays), and the export's transient. With a rollout pool the two sides are different devices: the larger
-    of the trainer's (its state, the export, one bucket) and the rollout's (its weights, one bucket)."""
+    of the trainer's (its state, the export, one bucket) and the rollout's (its weights, one bucket). ``comms``:
+    the trainer's communicator buffers (NPU)."""
     kept = train.parts["weights"] if cfg.actor.offload else static_bytes(train)
     if disaggregated(cfg):
-        return _pool_sync_phase(cfg, spec, kept)
+        return _pool_sync_phase(cfg, spec, kept, comms)
     parts = {"actor state": kept, "export": export_bytes(cfg, spec), "rollout": rollout_weights(cfg, spec)}
+    parts |= {"hccl buffers": comms} if comms else {}  # training's communicators: kept
     notes = {
         "actor state": "parameters only (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer",
         "export": "a layer's experts gathered + fused, or the full embedding"
         if cfg.actor.engine == "megatron"
         else "one full tensor, fp32 + cast",
         "rollout": "the rollout engine's weights, woken; its KV cache stays asleep until the sync is done",
+        "hccl buffers": "training's communicators, kept",
     }
     return Phase("sync", "every device", parts, notes)
 
 
-def _pool_sync_phase(cfg, spec: ModelSpec, kept: int) -> Phase:
-    bucket = cfg.rollout_pool.sync_bucket_mb << 20  # weight_sync.py: one flat bucket at a time, on the device
+def _pool_sync_phase(cfg, spec: ModelSpec, kept: int, comms: int) -> Phase:
+    # weight_sync.py: one flat bucket at a time, on the device; a tensor larger than a bucket travels alone, packed
+    # by a copy (torch.cat): the largest HF tensor, the embedding (or lm_head), bounds it
+    largest = ELEMENT_BYTES[cfg.model.dtype] * spec.embedding_params
+    bucket = max(cfg.rollout_pool.sync_bucket_mb << 20, largest)
     state = "parameters only (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer"
     trainer = Phase(
         "sync",
         "trainer rank 0 (disaggregated)",
-        {"actor state": kept, "export": export_bytes(cfg, spec), "bucket": bucket},
-        {"actor state": state, "export": "the export's transient", "bucket": "rollout_pool.sync_bucket_mb"},
+        {"actor state": kept, "export": export_bytes(cfg, spec), "bucket": bucket}
+        | ({"hccl buffers": comms} if comms else {}),
+        {
+            "actor state": state,
+            "export": "the export's transient",
+            "bucket": "rollout_pool.sync_bucket_mb, or the embedding packed alone when larger",
+        },
     )
     rollout = Phase(
         "sync",
@@ -367,11 +402,28 @@ def _pressures(cfg, train: Phase, rollout: Phase, sync: Phase, kv_tokens: int, u
     return train.total / fits, rollout.total / fits, kv_need, sync.total / fits
 
 
+def _add_communicators(cfg, spec: ModelSpec, train: Phase, rollout: Phase) -> int:
+    """The training communicators' HCCL buffers (training_communicators) on a trainer device's training and rollout
+    phases; returns their bytes, for the sync. Made in the first step and kept. vLLM profiles its KV budget at start,
+    before training has made them, so on a colocated device they come on top of the rollout phase's budget (the
+    world and vLLM TP communicators it did see are in its own "hccl buffers"). A rollout pool's devices hold none."""
+    groups = training_communicators(cfg, spec)
+    comms = communicator_bytes(groups)
+    train.parts["hccl buffers"] = comms
+    train.notes["hccl buffers"] = f"{len(groups)} communicators ({', '.join(groups)}) x 2 x {HCCL_BUFFSIZE_MB} MB"
+    later = [g for g in groups if g not in ("world", "vllm tp")]
+    if later and not disaggregated(cfg):
+        rollout.parts["train hccl"] = communicator_bytes(later)
+        rollout.notes["train hccl"] = f"{', '.join(later)}: made by training after vLLM sized its KV cache"
+    return comms
+
+
 def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
     usable = (hw.hbm_mib - hw.reserved_mib) * 2**20
     train = train_phase(cfg, spec)
     rollout, kv_tokens = rollout_phase(cfg, spec, hw, train)
-    sync = sync_phase(cfg, spec, train)
+    comms = _add_communicators(cfg, spec, train, rollout) if hw.platform == "npu" else 0
+    sync = sync_phase(cfg, spec, train, comms)
     p_train, p_roll, p_kv, p_sync = _pressures(cfg, train, rollout, sync, kv_tokens, usable)
     lay = layout(cfg)
     kind = f"MoE, {spec.active_params / 1e9:.2f}B active" if spec.is_moe else "dense"

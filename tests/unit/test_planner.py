@@ -94,7 +94,10 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     assert p.train.parts["activations"] == 482_344_960
     # logits: 8192 tokens x 151936/4 x (2 B bf16 + 4 B fp32 log-softmax) = 1,866,989,568
     assert p.train.parts["logits"] == 1_866_989_568
-    assert p.train.total == 48_205_103_104  # 44.89 GiB < 0.9 x 60 GiB
+    # HCCL buffers (audit 3 finding 3): 9 groups of > 1 rank, world 16, TP 4, PP 2, DP 2, DP-CP 2, MP 8, EP 4,
+    # expert DP 2, vLLM TP 4, each 2 x 200 MiB = 9 x 419,430,400 = 3,774,873,600
+    assert p.train.parts["hccl buffers"] == 3_774_873_600
+    assert p.train.total == 48_205_103_104 + 3_774_873_600 == 51_979_976_704  # 48.41 GiB < 0.9 x 60 GiB
     assert p.train_verdict == "fits"
     # rollout TP4: 48 x (4,718,592 + 266,496 + 603,979,776/4) + 2 x 311,164,928/4 + 2,048 = 7,642,626,048 params
     assert p.rollout.parts["weights"] == 15_285_252_096
@@ -108,11 +111,14 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     # per token: 2 (K, V) x 48 layers x 1 KV head (4/TP4) x 128 x 2 B = 24,576 -> 558,713 tokens (68.2 x 8192)
     assert p.kv_tokens == 558_713
     # offloaded; the runtime's 4 GiB is outside usable already: 0.5 x 64 GiB - 4 GiB
-    assert p.rollout.parts["actor state"] == 0 and p.rollout.total == 30_064_771_072
+    # + the 7 communicators training makes after vLLM sized its KV cache (all but world and vLLM TP): 2,936,012,800
+    assert p.rollout.parts["train hccl"] == 7 * 419_430_400
+    assert p.rollout.parts["actor state"] == 0 and p.rollout.total == 30_064_771_072 + 2_936_012_800
     # sync: the trainer's bf16 parameters only (offload), vLLM's weights (KV asleep), and the export's transient:
     # a layer's 128 experts gathered and fused, 2 x 2 B x 603,979,776 = 2,415,919,104 (> the 311,164,928 embedding)
-    assert p.sync.parts == {"actor state": 7_642_628_096, "export": 2_415_919_104, "rollout": 15_285_252_096}
-    assert p.sync.total == 25_343_799_296 and p.sync_verdict == "fits"
+    assert p.sync.parts == {"actor state": 7_642_628_096, "export": 2_415_919_104, "rollout": 15_285_252_096,
+                            "hccl buffers": 3_774_873_600}  # fmt: skip
+    assert p.sync.total == 25_343_799_296 + 3_774_873_600 and p.sync_verdict == "fits"
     assert p.verdict == "fits"
 
 
@@ -130,27 +136,31 @@ def test_qwen3_30b_a3b_2x8_a2_tp2_pp4_ep4():
     # 12 x 2048 B x 8192 + 2 x (4096 + 128 x 36 + 8 x (4096 + 2304)/2) x 8192 = 201,326,592 + 562,036,736
     assert p.train.parts["activations"] == 763_363_328
     assert p.train.parts["logits"] == 3_733_979_136  # 8192 x 75,968 x 6
-    # the first stage (4 micro-batches in flight, no logits) is smaller
-    assert p.train.total == 40_376_594_432
+    # the first stage (4 micro-batches in flight, no logits) is smaller; + HCCL buffers of 8 groups (world, TP 2,
+    # PP 4, DP 2, DP-CP 2, MP 8, EP 4, vLLM TP 4; expert DP is 1) x 419,430,400 = 3,355,443,200
+    assert p.train.parts["hccl buffers"] == 3_355_443_200
+    assert p.train.total == 40_376_594_432 + 3_355_443_200
 
 
 def test_qwen3_30b_a3b_without_distributed_optimizer_does_not_fit():
     p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.use_distributed_optimizer=false")
-    # optimizer 12 x 3,821,314,048 = 45,855,768,576 -> total 71,132,987,392 B: above usable (64,424,509,440)
-    # (before fp32 gradients were counted: 63,490,359,296, "tight")
+    # optimizer 12 x 3,821,314,048 = 45,855,768,576 -> total 71,132,987,392 B + the 9 communicators' 3,774,873,600:
+    # above usable (64,424,509,440) (before fp32 gradients were counted: 63,490,359,296, "tight")
     assert p.train.parts["optimizer"] == 45_855_768_576
-    assert p.train.total == 71_132_987_392 and p.train_verdict == "OOM"
-    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 48_205_103_104
+    assert p.train.total == 71_132_987_392 + 3_774_873_600 and p.train_verdict == "OOM"
+    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 51_979_976_704
     assert p.knobs[0].key in ("actor.use_distributed_optimizer", "actor.pipeline_parallel_size")
 
 
 def test_qwen3_30b_a3b_without_offload_does_not_fit_rollout():
     p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false")
     # weights + fp32 grads + optimizer stay during rollout: 45,855,768,576 + vLLM's 0.5 x 64 GiB = 80,215,506,944
+    # + training's 7 later communicators 2,936,012,800
     assert p.rollout.parts["actor state"] == 45_855_768_576
-    assert p.rollout.total == 80_215_506_944 - 4_294_967_296  # the runtime's 4 GiB is outside usable
-    # and during the sync: + export 2,415,919,104 + vLLM weights 15,285,252,096 = 63,556,939,776 (tight)
-    assert p.sync.total == 63_556_939_776 and p.sync_verdict == "tight"
+    assert p.rollout.total == 80_215_506_944 - 4_294_967_296 + 2_936_012_800  # the runtime's 4 GiB: outside usable
+    # and during the sync: + export 2,415,919,104 + vLLM weights 15,285,252,096 = 63,556,939,776, + 9 communicators
+    # 3,774,873,600 = 67,331,813,376 B, 1.16 x the "fits" line (0.9 x usable): OOM (was "tight" without them)
+    assert p.sync.total == 63_556_939_776 + 3_774_873_600 and p.sync_verdict == "OOM"
     assert p.rollout_verdict == "OOM" and p.verdict == "OOM"
     assert p.knobs[0].key == "actor.offload" and p.knobs[0].new is True
     assert "actor.offload=true  (was false;" in render_text(p)
@@ -162,12 +172,17 @@ def test_a_rollout_pool_holds_no_actor_state_and_the_sync_is_sized_per_side():
     colocated = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false")
     p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false", "rollout_pool.devices_per_node=8")
     assert p.rollout.parts["actor state"] == 0
-    # the colocated rollout total less its 45,855,768,576 B of actor state: 75,920,539,648 - 45,855,768,576
-    assert p.rollout.total == colocated.rollout.total - 45_855_768_576 == 30_064_771_072
-    assert p.train.total == colocated.train.total and p.kv_tokens == colocated.kv_tokens
-    # trainer rank 0: weights + grads + optimizer 45,855,768,576 + export 2,415,919,104 + one 256 MiB bucket
-    # (268,435,456) = 48,540,123,136; the rollout side: vLLM weights 15,285,252,096 + the bucket = 15,553,687,552
-    assert p.sync.where == "trainer rank 0 (disaggregated)" and p.sync.total == 48_540_123_136
+    # the colocated rollout total less its 45,855,768,576 B of actor state and training's 7 later communicators
+    # (2,936,012,800): a pool device holds neither
+    assert p.rollout.total == colocated.rollout.total - 45_855_768_576 - 2_936_012_800 == 30_064_771_072
+    assert "train hccl" not in p.rollout.parts and p.kv_tokens == colocated.kv_tokens
+    # the trainer has no vLLM TP group: 8 communicators, one (419,430,400) fewer than colocated
+    assert p.train.total == colocated.train.total - 419_430_400
+    # trainer rank 0: weights + grads + optimizer 45,855,768,576 + export 2,415,919,104 + the bucket: the 256 MiB
+    # bucket, but the embedding (151,936 x 2,048 x 2 B = 622,329,856) travels alone, packed by a copy + 8
+    # communicators 3,355,443,200 = 52,249,460,736 (audit 3 finding 3: one 256 MiB bucket was counted)
+    assert p.sync.parts["bucket"] == 622_329_856
+    assert p.sync.where == "trainer rank 0 (disaggregated)" and p.sync.total == 52_249_460_736
     assert p.rollout_verdict == "fits" and "rollout pool 1 x 8" in p.layout
 
 
@@ -206,7 +221,9 @@ def test_qwen25_3b_fsdp_on_a2():
     #   = 938,475,520
     assert p.train.parts["activations"] == 2_448_424_960
     assert p.train.parts["logits"] == 9_334_947_840  # 10240 x 151936 x 6
-    assert p.train.total == 18_885_892_096  # 17.59 GiB
+    # + HCCL buffers: world 8 and vLLM TP 2 (FSDP's mesh is the world; no Ulysses) = 2 x 419,430,400
+    assert p.train.parts["hccl buffers"] == 838_860_800
+    assert p.train.total == 18_885_892_096 + 838_860_800  # 18.37 GiB
     # rollout TP2: 36 x (4,719,872 + 4,096 + 33,816,576) + 311,164,928/2 + 2,048 = 1,543,044,096 params x 2 B
     assert p.rollout.parts["weights"] == 3_086_088_192
     assert p.rollout.parts["workspace"] == 404_750_336  # 8192 x 2 x (4h + 3 x 11008 / 2)
@@ -260,8 +277,8 @@ def test_plan_cli_json(cli):
     proc = cli("plan", *MOE, *TP4_PP2_EP4, "--hardware", "atlas-800t-a2", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["verdict"] == "fits" and out["train"]["total"] == 48_205_103_104 and len(out["knobs"]) == 3
-    assert out["sync"]["total"] == 25_343_799_296 and out["sync_verdict"] == "fits"
+    assert out["verdict"] == "fits" and out["train"]["total"] == 51_979_976_704 and len(out["knobs"]) == 3
+    assert out["sync"]["total"] == 25_343_799_296 + 3_774_873_600 and out["sync_verdict"] == "fits"
 
 
 @pytest.mark.parametrize(
@@ -290,7 +307,7 @@ def test_plan_cli_without_weights_uses_the_builtin_spec_and_says_so(cli):
         "note: model.path 'Qwen/Qwen3-30B-A3B' has no config.json: using the built-in spec of Qwen/Qwen3-30B-A3B "
         "(matched by the hub id; fields of https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json)"
     )
-    assert "  total          44.89   fits" in proc.stdout  # = 48,205,103,104 B, as from the config.json
+    assert "  total          48.41   fits" in proc.stdout  # = 51,979,976,704 B, as from the config.json
 
 
 def test_plan_cli_unknown_hub_id_lists_the_builtin_ids(cli):

@@ -456,12 +456,16 @@ class VLLMRolloutEngine:
             self._asleep.remove("weights")
         with _lifted():
             self.llm.collective_rpc("gspo_begin_weight_update")
-        total, count, chunks = 0, 0, 0
+        # in-process (rollout TP > 1: external launcher) collective_rpc is a direct call: the tensors go as they are,
+        # on the device; across processes (vLLM's own engine core) as safetensors bytes through host memory
+        in_process = self.external_launcher
+        total, count, chunks, host = 0, 0, 0, 0
         try:
-            for bucket in self._buckets(named_tensors):
+            for bucket in self._buckets(named_tensors, on_device=in_process):
+                size = sum(t.numel() * t.element_size() for t in bucket.values())
                 with _lifted():
-                    self.llm.collective_rpc("gspo_load_weights", args=(_serialize(bucket),))
-                total += sum(t.numel() * t.element_size() for t in bucket.values())
+                    self.llm.collective_rpc("gspo_load_weights", args=(bucket if in_process else _serialize(bucket),))
+                total, host = total + size, host + (0 if in_process else size)
                 count, chunks = count + len(bucket), chunks + 1
         finally:  # also on error: finishing restores the old kernel tensors of layers that got nothing
             with _lifted():
@@ -472,19 +476,24 @@ class VLLMRolloutEngine:
                 f"update_weights left {len(missing)} vLLM parameters at their old values (e.g. {missing[:3]}); "
                 "the stream must carry every weight under its Hugging Face name"
             )
-        self.last_sync = {"bytes": total, "tensors": count, "chunks": chunks, "seconds": time.perf_counter() - start}
+        self.last_sync = {"bytes": total, "host_bytes": host, "tensors": count, "chunks": chunks,
+                          "seconds": time.perf_counter() - start}  # fmt: skip
         return total
 
-    def _buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[dict[str, torch.Tensor]]:
+    def _buckets(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], on_device: bool = False
+    ) -> Iterable[dict[str, torch.Tensor]]:
+        """Buckets of about BUCKET_BYTES in the engine's dtype: on the host for serialisation, or where the
+        tensors are (``on_device``: an in-process engine takes them as they are)."""
         bucket: dict[str, torch.Tensor] = {}
         storages: set[int] = set()
         size = 0
         for name, tensor in named_tensors:
             if name in bucket:
                 raise ValueError(f"update_weights: tensor '{name}' appears twice in one stream")
-            wire = tensor.detach().to("cpu")
+            wire = tensor.detach() if on_device else tensor.detach().to("cpu")
             wire = (wire.to(self.dtype) if wire.is_floating_point() else wire).contiguous()
-            if wire.untyped_storage().data_ptr() in storages:  # tied weights: safetensors refuses aliases
+            if not on_device and wire.untyped_storage().data_ptr() in storages:  # safetensors refuses aliases (tied)
                 wire = wire.clone()
             storages.add(wire.untyped_storage().data_ptr())
             bucket[name] = wire

@@ -55,12 +55,13 @@ class WeightSyncExtension:
         entry = honour_logprobs_mode(self.model_runner, mode)
         return [entry.status, entry.detail, effective_logprobs_mode(self.model_runner) or "unknown"]
 
-    def gspo_load_weights(self, payload: bytes) -> int:
-        """One bucket: safetensors bytes of HF-named tensors -> ``model.load_weights``; returns the tensor count."""
+    def gspo_load_weights(self, payload: bytes | dict) -> int:
+        """One bucket -> ``model.load_weights``: safetensors bytes of HF-named tensors (across processes), or the
+        tensors themselves (an in-process engine: the caller's, on the device); returns the tensor count."""
         from safetensors.torch import load
         from vllm.config import set_current_vllm_config
 
-        tensors = load(bytes(payload))
+        tensors = payload if isinstance(payload, dict) else load(bytes(payload))
         with set_current_vllm_config(self.vllm_config):
             loaded = self.model_runner.get_model().load_weights(tensors.items())
         self._gspo_loaded.update(loaded or ())

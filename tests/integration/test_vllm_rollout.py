@@ -141,6 +141,8 @@ def synced(engine, path):
     expected = sum(t.numel() * t.element_size() for t in state.values())
     print(f"[vllm] weight sync: {sent} bytes in {seconds * 1e3:.0f} ms ({engine.last_sync})")
     assert sent == expected  # fp32 model, fp32 engine: every byte of the state dict, once
+    # TP 1: vLLM's engine core is another process, so the stream crosses as bytes through host memory, all of it
+    assert engine.last_sync["host_bytes"] == expected
     return engine, _hf_model(path, state), _hf_model(path)
 
 

@@ -60,8 +60,10 @@ consecutive ranks (its "external DP x TP" layout). The t ranks of a group must c
 prompts and parameters in lockstep; scheduling is deterministic and the sampler draws from per-request seeded
 generators, so all t ranks return the same samples (:func:`split_rollout_prompts` / :func:`gather_rollout_shards`
 are the dispatch the driver uses). Weight sync needs no transport: each rank feeds the full HF-named stream to its
-in-process worker and vLLM's weight loaders keep their TP shard. Outside a process group (a standalone engine)
-TP > 1 keeps vLLM's own multi-process executor; TP = 1 is unchanged.
+in-process worker and vLLM's weight loaders keep their TP shard; in-process, ``collective_rpc`` is a direct call, so
+the buckets go to the worker as the tensors they are, on the device (no host copy, no safetensors: audit 3
+finding 5; ``last_sync["host_bytes"]`` counts what did cross through host memory). Outside a process group (a
+standalone engine) TP > 1 keeps vLLM's own multi-process executor; TP = 1 is unchanged.
 
 How we differ from verl's vLLM rollout: verl runs vLLM inside the trainer processes (``external_launcher``) for
 every TP size and moves weights with its own transport; here TP = 1 keeps vLLM's default process layout (engine

@@ -225,7 +225,8 @@ def bind(definition: Definition, positional: int, keywords: tuple[str, ...]) -> 
             pass  # a dataclass / msgspec Struct: signature() reads its fields
     sig = signature(definition)
     bound = sig.bind(*[object()] * positional, **{k: object() for k in keywords})
-    extra = next((bound.arguments[p.name] for p in sig.parameters.values() if p.kind is P.VAR_KEYWORD), None)
+    # .get: a **kwargs the call passes nothing into has no entry (vLLM 0.23 finalize_layerwise_reload(*args, **kwargs))
+    extra = next((bound.arguments.get(p.name) for p in sig.parameters.values() if p.kind is P.VAR_KEYWORD), None)
     if extra:
         target = forwarded_kwargs(definition)
         if target is None:

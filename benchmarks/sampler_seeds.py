@@ -34,8 +34,14 @@ def main() -> None:
 
     def params(seeded: bool) -> list:
         return [
-            vllm.SamplingParams(temperature=1.0, max_tokens=args.tokens, min_tokens=args.tokens, logprobs=0,
-                                detokenize=False, seed=i if seeded else None)  # fmt: skip
+            vllm.SamplingParams(
+                temperature=1.0,
+                max_tokens=args.tokens,
+                min_tokens=args.tokens,
+                logprobs=0,
+                detokenize=False,
+                seed=i if seeded else None,
+            )  # fmt: skip
             for i in range(args.seqs)
         ]
 

@@ -1,12 +1,17 @@
-"""Multi-turn rollout with tool calls: model turns and tool turns until the model answers.
+"""Multi-turn rollout with tool calls: model turns and tool turns until the model answers (:class:`AgentLoop`).
 
-A trajectory starts from the prompt (its chat template rendered with the tools' schemas). Each turn, every
-unfinished trajectory is one request to the rollout engine (``generate_requests``: the prompt plus everything so
-far, with the budget left), so all trajectories of a turn generate together, on any rollout engine, across the
-data-parallel workers. A model turn that ends with EOS and holds ``<tool_call>`` blocks (calls.py) has them run by
-the :class:`~gspo_ascend.tools.toolbox.ToolBox` (all calls of the turn at once, in worker processes), and the
-answers are appended as the chat template's tool turn, followed by the next assistant header; a turn without a
-call, a turn cut by the budget, or the last allowed turn ends the trajectory.
+A trajectory starts from the prompt (its chat template rendered with its row's tools' schemas). A model turn that
+ends with EOS and holds ``<tool_call>`` blocks (calls.py) has them run by the
+:class:`~gspo_ascend.tools.toolbox.ToolBox` (in worker processes), and the answers are appended as the chat
+template's tool turn, followed by the next assistant header; a turn without a call, a turn cut by the budget, or
+the last allowed turn ends the trajectory. Two ways to run a step's trajectories, with the same seeds
+(:func:`turn_seed`) and so the same samples:
+
+- turn by turn (any engine, across the data-parallel workers): each turn, every unfinished trajectory is one
+  request of one ``generate_requests`` call (the prompt plus everything so far, with the budget left), the
+  turn's tools run together after it, so a turn waits for its longest trajectory;
+- in flight (an engine that takes requests while others run: vLLM's own engine loop, vllm_rollout.EngineSteps):
+  a trajectory's next turn joins the running batch when its tools answer; none waits for another.
 
 What training sees (:class:`~gspo_ascend.engines.SampleBatch`): ``response_ids`` holds the model's and the tools'
 tokens in order, ``response_mask`` all of them (the span the engines pack and attend over), ``loss_mask`` only
@@ -14,10 +19,10 @@ the model's: the loss, GSPO's length normalisation (the sequence ratio is the me
 and the behaviour weight read ``loss_mask``. ``rollout_log_probs`` are the engine's at the model's tokens, 0 at
 the tools'.
 
-How we differ from verl's ToolAgentLoop: verl runs one asyncio task per trajectory against vLLM's server; here a
-turn is one batched call, which works the same on the hf engine (the CPU default) and on vLLM, at the cost of a
-turn waiting for its longest trajectory. The tool turn's tokens come from the tokenizer's own chat template, with
-the separator after the model's EOS that the template puts there (verl drops it).
+How we differ from verl's ToolAgentLoop: verl runs one asyncio task per trajectory against vLLM's server; in
+flight here drives the sync ``LLM``'s own engine in process (the same continuous batching, no HTTP or asyncio),
+and the hf engine (the CPU default) runs turn by turn. The tool turn's tokens come from the tokenizer's own chat
+template, with the separator after the model's EOS that the template puts there (verl drops it).
 """
 
 from __future__ import annotations
@@ -74,54 +79,140 @@ class ToolTurns:
         return self.tokenizer.encode(self.separator + after[len(self.before) :], add_special_tokens=False)
 
 
-def run_turns(
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams,
-    generate: Callable[[list[Request], SamplingParams], SampleBatch],
-    toolbox: Any,
-    turns: ToolTurns,
-    *,
-    max_turns: int,
-    max_calls_per_turn: int,
-    pad_id: int,
-    step: int | None = None,
-    parse: Callable[[str, int], list] = parse_tool_calls,
-    rows: Sequence[Any] | None = None,
-    first: int = 0,
-) -> tuple[SampleBatch, dict[str, float]]:
-    """``params.n`` trajectories per prompt, the n of a prompt adjacent (as ``generate``); ``params.max_new_tokens``
-    bounds each trajectory's tokens after its prompt, the model's and the tools' together. ``parse``: a model
-    turn's text -> its calls (Qwen3's format). ``rows``: each prompt's tools (RowTools; a row with none is one
-    model turn); None: every tool for every prompt. ``first``: the first prompt's place in the step's draw (a
-    worker's slice). Each turn is one ``generate`` call of every unfinished trajectory, seeded by
-    :func:`turn_seed`. Returns the batch and the ``agent/*`` metrics."""
-    width, n = params.max_new_tokens, params.n
-    trajectories = _start(prompts, params, rows, first)
-    for turn in range(max_turns):
-        active = [t for t in trajectories if not t.done]
-        if not active:
-            break
-        if turn == 0:  # generate's requests: a prompt's n samples in one, so a first turn is exactly generate
-            requests = [Request(tuple(p), n, width, params.seed + (first + g) * n) for g, p in enumerate(prompts)]
-        else:
-            requests = [
-                Request((*t.prompt, *t.tokens), 1, width - len(t.tokens), turn_seed(params.seed, t.index, turn))
-                for t in active
-            ]
-        got = generate(requests, params)
-        pending = []
-        lengths = got.response_lengths.tolist()
-        for t, ids, logps, n, eos in zip(active, got.response_ids, got.rollout_log_probs, lengths,
-                                         got.finished.tolist(), strict=True):  # fmt: skip
-            calls = _model_turn(t, ids[:n].tolist(), logps[:n].tolist(), bool(eos), turns.tokenizer, parse,
-                                max_calls_per_turn, max_turns, width)  # fmt: skip
-            if calls:
-                pending.append((t, calls))
-        answers = iter(toolbox.call([c for _, calls in pending for c in calls], step,
-                                    [t.tools for t, calls in pending for _ in calls]))  # fmt: skip
-        for t, calls in pending:
-            _append_tool_turn(t, turns.tokens([next(answers) for _ in calls]), len(calls), width)
-    return _batch(trajectories, width, pad_id), _metrics(trajectories)
+@dataclass(frozen=True)
+class AgentLoop:
+    """What every trajectory runs with: the tool box, the tool turns' tokens, the bounds and the call parser (a
+    model turn's text -> its calls; Qwen3's format). Two ways to run a step's trajectories, the same samples:
+    :meth:`turn_by_turn` (any engine) and :meth:`in_flight` (an engine that takes requests while others run)."""
+
+    toolbox: Any
+    turns: ToolTurns
+    max_turns: int
+    max_calls_per_turn: int
+    pad_id: int
+    parse: Callable[[str, int], list] = parse_tool_calls
+
+    @classmethod
+    def of(cls, toolbox: Any, tokenizer: Any, tools: Any) -> AgentLoop:
+        """The loop of a config's ``tools`` section, the tool turns of ``tokenizer``'s template."""
+        return cls(toolbox, ToolTurns.of(tokenizer), tools.max_turns, tools.max_calls_per_turn, tokenizer.pad_token_id)
+
+    def turn_by_turn(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        generate: Callable[[list[Request], SamplingParams], SampleBatch],
+        *,
+        step: int | None = None,
+        rows: Sequence[Any] | None = None,
+        first: int = 0,
+    ) -> tuple[SampleBatch, dict[str, float]]:
+        """``params.n`` trajectories per prompt, the n of a prompt adjacent (as ``generate``);
+        ``params.max_new_tokens`` bounds each trajectory's tokens after its prompt, the model's and the tools'
+        together. ``rows``: each prompt's tools (RowTools; a row with none is one model turn); None: every tool for
+        every prompt. ``first``: the first prompt's place in the step's draw (a worker's slice). Each turn is one
+        ``generate`` call of every unfinished trajectory, seeded by :func:`turn_seed`; a turn's tools run together
+        after it. Returns the batch and the ``agent/*`` metrics."""
+        width, n = params.max_new_tokens, params.n
+        trajectories = _start(prompts, params, rows, first)
+        for turn in range(self.max_turns):
+            active = [t for t in trajectories if not t.done]
+            if not active:
+                break
+            if turn == 0:  # generate's requests: a prompt's n samples in one, so a first turn is exactly generate
+                requests = [Request(tuple(p), n, width, params.seed + (first + g) * n) for g, p in enumerate(prompts)]
+            else:
+                requests = [
+                    Request((*t.prompt, *t.tokens), 1, width - len(t.tokens), turn_seed(params.seed, t.index, turn))
+                    for t in active
+                ]
+            got = generate(requests, params)
+            pending = []
+            for t, ids, logps, length, eos in zip(active, got.response_ids, got.rollout_log_probs,
+                                                  got.response_lengths.tolist(), got.finished.tolist(),
+                                                  strict=True):  # fmt: skip
+                calls = self._model_turn(t, ids[:length].tolist(), logps[:length].tolist(), bool(eos), width)
+                if calls:
+                    pending.append((t, calls))
+            answers = iter(self.toolbox.call([c for _, calls in pending for c in calls], step,
+                                             [t.tools for t, calls in pending for _ in calls]))  # fmt: skip
+            for t, calls in pending:
+                _append_tool_turn(t, self.turns.tokens([next(answers) for _ in calls]), len(calls), width)
+        return _batch(trajectories, width, self.pad_id), _metrics(trajectories)
+
+    def in_flight(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stepper: Stepper,
+        *,
+        step: int | None = None,
+        rows: Sequence[Any] | None = None,
+        first: int = 0,
+        events: list | None = None,
+    ) -> tuple[SampleBatch, dict[str, float]]:
+        """:meth:`turn_by_turn` with every trajectory in flight on its own: a model turn that calls tools has them
+        run while the engine goes on with the others, and its next turn joins the engine's running batch when the
+        answers are in; no trajectory waits for another's turn or tools. The seeds are :func:`turn_seed`'s, so the
+        samples are the same. ``events`` (tests, traces): ("turn", trajectory, turns so far) when a model turn ends
+        and ("tool", trajectory, turns so far) when its answers are appended, in order."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        width = params.max_new_tokens
+        trajectories = _start(prompts, params, rows, first)
+        by_key = {t.index: t for t in trajectories}
+        for t in trajectories:
+            stepper.add(t.index, t.prompt, width, turn_seed(params.seed, t.index, 0))
+        waiting: dict[int, tuple[Any, int]] = {}
+        while stepper.busy() or waiting:
+            for key, new, logps, eos in stepper.step() if stepper.busy() else []:
+                t = by_key[key]
+                calls = self._model_turn(t, new, logps, eos, width)
+                _note(events, "turn", key, t.turns)
+                if calls:
+                    waiting[key] = (self.toolbox.submit(calls, step, [t.tools] * len(calls)), len(calls))
+            if waiting and not stepper.busy() and not any(s.done() for s, _ in waiting.values()):
+                wait([f for s, _ in waiting.values() for _, f in s.futures.values()], return_when=FIRST_COMPLETED)
+            for key in [k for k, (s, _) in waiting.items() if s.done()]:
+                submitted, count = waiting.pop(key)
+                t = by_key[key]
+                _append_tool_turn(t, self.turns.tokens(self.toolbox.collect(submitted)), count, width)
+                _note(events, "tool", key, t.turns)
+                if not t.done:
+                    seed = turn_seed(params.seed, t.index, t.turns)
+                    stepper.add(key, (*t.prompt, *t.tokens), width - len(t.tokens), seed)
+        return _batch(trajectories, width, self.pad_id), _metrics(trajectories) | {"agent/in_flight": 1.0}
+
+    def each(self, generate: Callable, rows: Any = None) -> Callable:
+        """A ``generate_each`` (validation.py's Generate) whose batches are trajectories: validation and
+        `gspo-ascend eval` with tools, each request (prompts, params) one :meth:`turn_by_turn` over ``generate``.
+        ``rows``: :func:`rows_by_prompt` of the prompts' records (None: every tool for every prompt)."""
+
+        def generate_each(reqs: list, on_done: Any = None) -> list[SampleBatch]:
+            out = []
+            for prompts, params in reqs:
+                picked = [rows[tuple(p)] for p in prompts] if rows is not None else None
+                out.append(self.turn_by_turn(prompts, params, generate, rows=picked)[0])
+                if on_done is not None:
+                    on_done(len(out))
+            return out
+
+        return generate_each
+
+    def _model_turn(self, t: Trajectory, new: list[int], logps: list[float], eos: bool, width: int) -> list:
+        """A model turn appended to ``t``; returns its calls when the trajectory goes on with a tool turn (else
+        marks it done: no call, the last allowed turn, or the budget spent)."""
+        t.tokens += new
+        t.model += [1.0] * len(new)
+        t.logps += logps
+        t.turns, t.eos = t.turns + 1, eos
+        offered = t.tools is None or bool(t.tools.names)  # a single-turn row's text is not read for calls
+        text = self.turns.tokenizer.decode(new, skip_special_tokens=False)
+        calls = self.parse(text, self.max_calls_per_turn) if eos and offered else []
+        if not calls or t.turns >= self.max_turns or len(t.tokens) >= width:
+            t.done = True
+            return []
+        return calls
 
 
 class Stepper(Protocol):
@@ -134,55 +225,6 @@ class Stepper(Protocol):
     def step(self) -> list[tuple[int, list[int], list[float], bool]]:
         """The requests that finished in this step: (key, tokens, their log-probs, ended with EOS)."""
         ...
-
-
-def run_in_flight(
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams,
-    stepper: Stepper,
-    toolbox: Any,
-    turns: ToolTurns,
-    *,
-    max_turns: int,
-    max_calls_per_turn: int,
-    pad_id: int,
-    step: int | None = None,
-    parse: Callable[[str, int], list] = parse_tool_calls,
-    rows: Sequence[Any] | None = None,
-    first: int = 0,
-    events: list | None = None,
-) -> tuple[SampleBatch, dict[str, float]]:
-    """:func:`run_turns` with every trajectory in flight on its own: a model turn that calls tools has them run
-    while the engine goes on with the others, and its next turn joins the engine's running batch when the answers
-    are in; no trajectory waits for another's turn or tools. The seeds are :func:`turn_seed`'s, as in
-    :func:`run_turns`, so the samples are the same. ``events`` (tests, traces): ("turn", trajectory, turns so far)
-    when a model turn ends and ("tool", trajectory, turns so far) when its answers are appended, in order."""
-    from concurrent.futures import FIRST_COMPLETED, wait
-
-    width = params.max_new_tokens
-    trajectories = _start(prompts, params, rows, first)
-    by_key = {t.index: t for t in trajectories}
-    for t in trajectories:
-        stepper.add(t.index, t.prompt, width, turn_seed(params.seed, t.index, 0))
-    waiting: dict[int, tuple[Any, int]] = {}
-    while stepper.busy() or waiting:
-        for key, new, logps, eos in stepper.step() if stepper.busy() else []:
-            t = by_key[key]
-            calls = _model_turn(t, new, logps, eos, turns.tokenizer, parse, max_calls_per_turn, max_turns, width)
-            _note(events, "turn", key, t.turns)
-            if calls:
-                waiting[key] = (toolbox.submit(calls, step, [t.tools] * len(calls)), len(calls))
-        if waiting and not stepper.busy() and not any(s.done() for s, _ in waiting.values()):
-            wait([f for s, _ in waiting.values() for _, f in s.futures.values()], return_when=FIRST_COMPLETED)
-        for key in [k for k, (s, _) in waiting.items() if s.done()]:
-            submitted, count = waiting.pop(key)
-            t = by_key[key]
-            _append_tool_turn(t, turns.tokens(toolbox.collect(submitted)), count, width)
-            _note(events, "tool", key, t.turns)
-            if not t.done:
-                seed = turn_seed(params.seed, t.index, t.turns)
-                stepper.add(key, (*t.prompt, *t.tokens), width - len(t.tokens), seed)
-    return _batch(trajectories, width, pad_id), _metrics(trajectories) | {"agent/in_flight": 1.0}  # which loop ran
 
 
 def turn_seed(seed: int, index: int, turn: int) -> int:
@@ -222,54 +264,6 @@ def rows_by_prompt(records: Sequence[Any]) -> dict[tuple[int, ...], Any]:
                 "tool arguments must follow from its prompt: drop one of the rows"
             )
     return out
-
-
-def trajectories_each(
-    generate: Callable, toolbox: Any, turns: ToolTurns, tools: Any, pad_id: int, rows: Any = None
-) -> Callable:
-    """A ``generate_each`` (validation.py's Generate) whose batches are trajectories: validation and
-    `gspo-ascend eval` with tools, each request (prompts, params) one :func:`run_turns` over ``generate``.
-    ``rows``: :func:`rows_by_prompt` of the prompts' records (None: every tool for every prompt)."""
-
-    def generate_each(reqs: list, on_done: Any = None) -> list[SampleBatch]:
-        out = []
-        for prompts, params in reqs:
-            batch, _ = run_turns(
-                prompts, params, generate, toolbox, turns,
-                max_turns=tools.max_turns, max_calls_per_turn=tools.max_calls_per_turn, pad_id=pad_id,
-                rows=[rows[tuple(p)] for p in prompts] if rows is not None else None,
-            )  # fmt: skip
-            out.append(batch)
-            if on_done is not None:
-                on_done(len(out))
-        return out
-
-    return generate_each
-
-
-def _model_turn(
-    t: Trajectory,
-    new: list[int],
-    logps: list[float],
-    eos: bool,
-    tokenizer: Any,
-    parse: Any,
-    max_calls: int,
-    max_turns: int,
-    width: int,
-) -> list:
-    """A model turn appended to ``t``; returns its calls when the trajectory goes on with a tool turn (else marks
-    it done: no call, the last allowed turn, or the budget spent)."""
-    t.tokens += new
-    t.model += [1.0] * len(new)
-    t.logps += logps
-    t.turns, t.eos = t.turns + 1, eos
-    offered = t.tools is None or bool(t.tools.names)  # a single-turn row's text is not read for calls
-    calls = parse(tokenizer.decode(new, skip_special_tokens=False), max_calls) if eos and offered else []
-    if not calls or t.turns >= max_turns or len(t.tokens) >= width:
-        t.done = True
-        return []
-    return calls
 
 
 def _append_tool_turn(t: Trajectory, tool_tokens: list[int], calls: int, width: int) -> None:

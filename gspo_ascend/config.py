@@ -809,4 +809,4 @@ def _rollout_pool(cfg: Config) -> Iterable[str]:
 def _graph_rollout(cfg: Config) -> Iterable[str]:
     from .npu_profile import graph_problems  # torch-free; the NPU profile's rules live with its table
 
-    yield from graph_problems(cfg)
+    yield from graph_problems(cfg, rollout_world(cfg))

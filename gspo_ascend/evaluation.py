@@ -133,14 +133,13 @@ def _with_tools(cfg: Any, tokenizer: Any, generate_requests: Any, records: Any) 
     if not cfg.tools.enabled:
         yield None
         return
-    from .agent_loop import ToolTurns, rows_by_prompt, trajectories_each
+    from .agent_loop import AgentLoop, rows_by_prompt
     from .tools.toolbox import ToolBox
 
     box = ToolBox.from_config(cfg.tools)
     rows = rows_by_prompt(records)
     try:
-        yield trajectories_each(generate_requests, box, ToolTurns.of(tokenizer), cfg.tools, tokenizer.pad_token_id,
-                                rows)  # fmt: skip
+        yield AgentLoop.of(box, tokenizer, cfg.tools).each(generate_requests, rows)
     finally:
         box.close()
 

@@ -137,12 +137,11 @@ def actor_cpu_affinity(conf: str | None, npu_ids: list[str], node_npus: int, cor
     return f"1,npu0:{device * block}-{(device + 1) * block - 1}"
 
 
-def decode_batch(cfg) -> int:
-    """Sequences one rollout engine decodes at once: the batch's samples over the rollout groups, on the devices
-    that generate (the rollout pool's in a disaggregated run, else the trainer's: config.rollout_world)."""
-    from .config import rollout_world
-
-    groups = max(rollout_world(cfg) // max(cfg.rollout.tensor_parallel_size, 1), 1)
+def decode_batch(cfg, devices: int) -> int:
+    """Sequences one rollout engine decodes at once: the batch's samples over the rollout groups of ``devices``,
+    the devices that generate (the rollout pool's in a disaggregated run, else the trainer's: config.rollout_world,
+    which the caller passes: config imports this module)."""
+    groups = max(devices // max(cfg.rollout.tensor_parallel_size, 1), 1)
     return max(cfg.data.train_batch_size * cfg.rollout.n // groups, 1)
 
 
@@ -151,9 +150,9 @@ def decode_batch(cfg) -> int:
 NPU_MAX_NUM_SEQS = 256
 
 
-def engine_seqs(cfg) -> tuple[int, str]:
-    """The most sequences one engine decodes at once, and what bounds it."""
-    limit = decode_batch(cfg)
+def engine_seqs(cfg, devices: int) -> tuple[int, str]:
+    """The most sequences one engine decodes at once on ``devices`` generating devices, and what bounds it."""
+    limit = decode_batch(cfg, devices)
     why = "the sequences one rollout engine decodes at once (data.train_batch_size x rollout.n / rollout groups)"
     if cfg.trainer.device == "npu":
         seqs = min(NPU_MAX_NUM_SEQS, cfg.rollout.max_num_batched_tokens)
@@ -166,8 +165,8 @@ def _graph_keys_set(r) -> list[str]:
     return [k for k in ("cudagraph_mode", "cudagraph_capture_sizes") if getattr(r, k) is not None]
 
 
-def graph_problems(cfg) -> Iterable[str]:
-    """One-line problems of the graph-mode keys (a config validator)."""
+def graph_problems(cfg, devices: int) -> Iterable[str]:
+    """One-line problems of the graph-mode keys (a config validator); ``devices``: those that generate."""
     r = cfg.rollout
     keys = _graph_keys_set(r)
     if keys and (r.engine != "vllm" or r.enforce_eager is not False):
@@ -183,7 +182,7 @@ def graph_problems(cfg) -> Iterable[str]:
             yield f"config key 'rollout.cudagraph_mode' is '{r.cudagraph_mode}'; use one of {', '.join(modes)}{why}"
     sizes = r.cudagraph_capture_sizes
     if sizes is not None:
-        limit, why = engine_seqs(cfg)
+        limit, why = engine_seqs(cfg, devices)
         if not sizes or any(s <= 0 for s in sizes):
             yield f"config key 'rollout.cudagraph_capture_sizes' must be a non-empty list of sizes > 0, got {sizes}"
         elif max(sizes) > limit:

@@ -178,25 +178,21 @@ class PolicyWorker:
         self, prompts: list[list[int]], params: SamplingParams, rows: list, first: int, step: int
     ) -> tuple[SampleBatch, dict[str, float], list]:
         """Multi-turn rollout of a slice of the step's prompts (``first``: its place in the draw) with every
-        trajectory in flight on this rank's vLLM engine (agent_loop.run_in_flight), the tools in this worker's own
+        trajectory in flight on this rank's vLLM engine (AgentLoop.in_flight), the tools in this worker's own
         tool processes. Returns the batch, the agent and tool metrics, and the tool faults' first lines (the driver
         says each once)."""
-        from .agent_loop import ToolTurns, run_in_flight
+        from .agent_loop import AgentLoop
         from .runtime import load_tokenizer
         from .tools.toolbox import ToolBox
 
         if getattr(self, "_agent", None) is None:  # the tool processes start at the first call, stop with the actor
-            tokenizer = load_tokenizer(self.cfg, self.model_path)
-            self._agent = (ToolBox.from_config(self.cfg.tools, stream=[]), ToolTurns.of(tokenizer))
-        box, turns = self._agent
-        t = self.cfg.tools
+            box = ToolBox.from_config(self.cfg.tools, stream=[])
+            self._agent = AgentLoop.of(box, load_tokenizer(self.cfg, self.model_path), self.cfg.tools)
+        loop, box = self._agent, self._agent.toolbox
         self.rollout_engine.wake_up()
         try:
-            batch, metrics = run_in_flight(
-                prompts, params, self.rollout_engine.in_flight(params), box, turns, max_turns=t.max_turns,
-                max_calls_per_turn=t.max_calls_per_turn, pad_id=self.rollout_engine.pad_token_id, step=step,
-                rows=rows, first=first,
-            )  # fmt: skip
+            stepper = self.rollout_engine.in_flight(params)
+            batch, metrics = loop.in_flight(prompts, params, stepper, step=step, rows=rows, first=first)
         finally:
             self._rest()
         return batch, metrics | box.metrics(), box.take_lines()
@@ -258,7 +254,7 @@ class PolicyWorker:
         import torch
 
         if getattr(self, "_agent", None) is not None:  # multi-turn rollout's tool processes
-            self._agent[0].close()
+            self._agent.toolbox.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

@@ -395,7 +395,7 @@ class VLLMRolloutEngine:
 
     def in_flight(self, params: SamplingParams) -> EngineSteps:
         """Requests added while others run, on this LLM's own engine: multi-turn rollout with every trajectory in
-        flight (agent_loop.run_in_flight). The engine must be awake."""
+        flight (AgentLoop.in_flight). The engine must be awake."""
         return EngineSteps(self, params)
 
     def _check_request(self, requests: Sequence[Request], params: SamplingParams) -> None:

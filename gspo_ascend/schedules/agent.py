@@ -3,9 +3,9 @@ turns (agent_loop.py), scored on the whole trajectory's text. Every token is gen
 this step, so no version is carried; the loss trains the model's tokens only (``SampleBatch.loss_mask``).
 
 Validation runs trajectories too, on the held-out prompts (their tool counts as ``val/tools/*``).
-How trajectories run: with vLLM at rollout TP 1, in flight on each rank's engine (agent_loop.run_in_flight: a
+How trajectories run: with vLLM at rollout TP 1, in flight on each rank's engine (AgentLoop.in_flight: a
 trajectory's next turn joins the running batch when its tools answer; the tools in that worker); otherwise turn by
-turn from the driver (run_turns: each turn one batched call, the tools once, here). The seeds are the same.
+turn from the driver (AgentLoop.turn_by_turn: each turn one batched call, the tools once, here). The seeds are the same.
 Syncs: after every update, as the synchronous schedule. Checkpoint: nothing in flight (a step's trajectories end
 within the step). The tools' worker processes start at the first call and stop with the run.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..agent_loop import ToolTurns, run_turns
+from ..agent_loop import AgentLoop
 from .base import Produced, Schedule, rollout_params, score, zero_variance_share
 
 
@@ -24,7 +24,8 @@ class AgentTurns(Schedule):
         from ..tools.toolbox import ToolBox
 
         super().__init__(run)
-        self.toolbox, self.turns = ToolBox.from_config(run.cfg.tools), ToolTurns.of(run.tokenizer)
+        self.loop = AgentLoop.of(ToolBox.from_config(run.cfg.tools), run.tokenizer, run.cfg.tools)
+        self.toolbox = self.loop.toolbox
         self.val_rows = rows_by_prompt(run.val_set.records) if run.val_set is not None else None
         r = run.cfg.rollout
         self.per_rank = r.engine == "vllm" and r.tensor_parallel_size == 1
@@ -45,7 +46,7 @@ class AgentTurns(Schedule):
         otherwise turn by turn from here, every turn one batched call across the workers, the tools run once here
         (hf; vLLM with TP > 1, whose ranks must see identical requests: a rank's own tools could answer
         differently, e.g. one past its time limit)."""
-        run, t = self.run, self.run.cfg.tools
+        run = self.run
         params, rows = rollout_params(run, step), [p.tools for p in prompts]
         ids = [p.prompt_ids for p in prompts]
         if self.per_rank:
@@ -55,19 +56,12 @@ class AgentTurns(Schedule):
                     self.toolbox.said.add(key)
                     self.toolbox.say(key, line)
             return batch, metrics
-        batch, metrics = run_turns(
-            ids, params, run.workers.generate_requests, self.toolbox, self.turns, max_turns=t.max_turns,
-            max_calls_per_turn=t.max_calls_per_turn, pad_id=run.tokenizer.pad_token_id, step=step, rows=rows,
-        )  # fmt: skip
+        batch, metrics = self.loop.turn_by_turn(ids, params, run.workers.generate_requests, step=step, rows=rows)
         return batch, metrics | self.toolbox.metrics()
 
     def validation_generate(self) -> Any:
-        from ..agent_loop import trajectories_each
-
         self.toolbox.metrics()  # the training step's counts were taken: what follows is validation's
-        run = self.run
-        return trajectories_each(run.workers.generate_requests, self.toolbox, self.turns, run.cfg.tools,
-                                 run.tokenizer.pad_token_id, self.val_rows)  # fmt: skip
+        return self.loop.each(self.run.workers.generate_requests, self.val_rows)
 
     def validation_metrics(self) -> dict[str, float]:
         return {f"val/{k}": v for k, v in self.toolbox.metrics().items()}

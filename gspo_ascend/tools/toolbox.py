@@ -95,7 +95,7 @@ class ToolBox:
     def submit(
         self, calls: Sequence[ToolCall | Malformed], step: int | None = None, rows: Sequence[Any] | None = None
     ) -> Submitted:
-        """:meth:`call` started, not waited for (trajectories in flight: agent_loop.run_in_flight)."""
+        """:meth:`call` started, not waited for (trajectories in flight: AgentLoop.in_flight)."""
         answers: list[str | None] = [None] * len(calls)
         futures = {}
         for i, call in enumerate(calls):

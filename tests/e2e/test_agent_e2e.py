@@ -54,7 +54,7 @@ def test_the_tool_demo_calls_the_calculator_trains_validates_and_its_export_eval
 
 def test_the_tool_demo_on_vllm_runs_its_trajectories_in_flight_on_each_rank(tmp_path):
     """The demo on the vLLM engine at rollout TP 1 over two workers: each rank's engine runs its share of the
-    trajectories in flight (agent_loop.run_in_flight over vLLM's own engine), with its own tool workers; the driver
+    trajectories in flight (AgentLoop.in_flight over vLLM's own engine), with its own tool workers; the driver
     gathers them. One step, 8 prompts x 4 samples. Expected: the loop that ran (``agent/in_flight``), real calls
     (about 30% by the warm start), a call answered by a second model turn, the counts gathered from both ranks."""
     out = tmp_path / "tools-vllm"

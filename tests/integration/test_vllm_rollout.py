@@ -221,7 +221,7 @@ class TestDense:
         tiny model writes none); the engine, the calculator's worker and the chat template are real."""
         from transformers import AutoTokenizer
 
-        from gspo_ascend.agent_loop import ToolTurns, run_turns
+        from gspo_ascend.agent_loop import AgentLoop, ToolTurns
         from gspo_ascend.engines.base import SamplingParams
         from gspo_ascend.tools.toolbox import ToolBox
         from tests.unit.test_agent_loop import one_call_per_turn
@@ -231,10 +231,8 @@ class TestDense:
         params = SamplingParams(n=2, temperature=0.8, max_new_tokens=64, seed=9)  # prompt + 64 <= max_model_len 96
         box = ToolBox(["calculator"], timeout_s=30.0, max_output_chars=100, num_workers=1)
         try:
-            batch, metrics = run_turns(
-                _prompts(path, 4), params, engine.generate_requests, box, turns,
-                max_turns=3, max_calls_per_turn=1, pad_id=PAD, parse=one_call_per_turn,
-            )  # fmt: skip
+            loop = AgentLoop(box, turns, max_turns=3, max_calls_per_turn=1, pad_id=PAD, parse=one_call_per_turn)
+            batch, metrics = loop.turn_by_turn(_prompts(path, 4), params, engine.generate_requests)
         finally:
             box.close()
         assert metrics["agent/turns_mean"] >= 2  # on average a model turn after a tool turn
@@ -243,13 +241,14 @@ class TestDense:
         assert bool((batch.rollout_log_probs[(batch.response_mask - batch.loss_mask).bool()] == 0).all())
 
     def test_trajectories_in_flight_are_the_turn_by_turn_ones(self, synced, path):
-        """Multi-turn rollout in flight on vLLM's own engine (agent_loop.run_in_flight over EngineSteps: a turn's
+        """Multi-turn rollout in flight on vLLM's own engine (AgentLoop.in_flight over EngineSteps: a turn's
         request is added while the others run) gives the trajectories of one batched generate per turn
-        (run_turns) with the same seeds: the same tokens and masks, log-probs within TOLERANCE, and those of the
-        model's tokens match transformers over the whole trajectory. Parser stand-in as above (test-only)."""
+        (AgentLoop.turn_by_turn) with the same seeds: the same tokens and masks, log-probs within TOLERANCE, and
+        those of the model's tokens match transformers over the whole trajectory. Parser stand-in as above
+        (test-only)."""
         from transformers import AutoTokenizer
 
-        from gspo_ascend.agent_loop import ToolTurns, run_in_flight, run_turns
+        from gspo_ascend.agent_loop import AgentLoop, ToolTurns
         from gspo_ascend.engines.base import SamplingParams
         from gspo_ascend.tools.toolbox import ToolBox
         from tests.unit.test_agent_loop import one_call_per_turn
@@ -258,12 +257,11 @@ class TestDense:
         turns = ToolTurns(AutoTokenizer.from_pretrained(path), "<|im_end|>")
         params = SamplingParams(n=2, temperature=0.8, max_new_tokens=64, seed=11)
         box = ToolBox(["calculator"], timeout_s=30.0, max_output_chars=100, num_workers=1)
-        kw = dict(max_turns=3, max_calls_per_turn=1, pad_id=PAD, parse=one_call_per_turn)
+        loop = AgentLoop(box, turns, max_turns=3, max_calls_per_turn=1, pad_id=PAD, parse=one_call_per_turn)
         events: list = []
         try:
-            batched, _ = run_turns(_prompts(path, 4), params, engine.generate_requests, box, turns, **kw)
-            flying, metrics = run_in_flight(_prompts(path, 4), params, engine.in_flight(params), box, turns,
-                                            events=events, **kw)  # fmt: skip
+            batched, _ = loop.turn_by_turn(_prompts(path, 4), params, engine.generate_requests)
+            flying, metrics = loop.in_flight(_prompts(path, 4), params, engine.in_flight(params), events=events)
         finally:
             box.close()
         assert metrics["agent/turns_mean"] >= 2

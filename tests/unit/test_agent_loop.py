@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_ascend.agent_loop import ToolTurns, Trajectory, _append_tool_turn, run_turns
+from gspo_ascend.agent_loop import AgentLoop, ToolTurns, Trajectory, _append_tool_turn
 from gspo_ascend.device import get_backend
 from gspo_ascend.engines.base import SamplingParams
 from gspo_ascend.tools import ToolCall
@@ -66,10 +66,9 @@ def test_trajectories_alternate_model_and_tool_turns_and_the_engine_scores_the_m
     turns = ToolTurns(tok, "<|im_end|>")
     tool_ids = turns.tokens(["408"])
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=160, seed=5)
-    batch, metrics = run_turns(
-        prompts_of(tok), params, engine.generate_requests, toolbox, turns,
-        max_turns=3, max_calls_per_turn=2, pad_id=engine.pad_token_id, step=1, parse=one_call_per_turn,
-    )  # fmt: skip
+    loop = AgentLoop(toolbox, turns, max_turns=3, max_calls_per_turn=2, pad_id=engine.pad_token_id,
+                     parse=one_call_per_turn)  # fmt: skip
+    batch, metrics = loop.turn_by_turn(prompts_of(tok), params, engine.generate_requests, step=1)
     assert batch.group_index.tolist() == [0, 0, 1, 1, 2, 2]
     full_three_turns = 0
     for i in range(len(batch)):

@@ -1,7 +1,7 @@
-"""Trajectories in flight (agent_loop.run_in_flight, issue #45 item 1): a trajectory whose tools are slow does not
+"""Trajectories in flight (AgentLoop.in_flight, issue #45 item 1): a trajectory whose tools are slow does not
 hold the others back, and the trajectories are those of the turn-by-turn loop.
 
-The engine here is a test-only scripted Stepper (the real one, vLLM's engine, is held to run_turns in
+The engine here is a test-only scripted Stepper (the real one, vLLM's engine, is held to the turn-by-turn loop in
 tests/integration/test_vllm_rollout.py::TestDense::test_trajectories_in_flight_are_the_turn_by_turn_ones): a request
 finishes one step after it is added and "writes" a fixed text naming its trajectory. The tool is a real user tool in
 a ToolBox worker that sleeps for what the call asks; the tokenizer and its template are the tiny model's.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_ascend.agent_loop import ToolTurns, run_in_flight, run_turns
+from gspo_ascend.agent_loop import AgentLoop, ToolTurns
 from gspo_ascend.engines.base import SampleBatch, SamplingParams
 from gspo_ascend.tools import ToolCall
 
@@ -72,7 +72,7 @@ def parse(text: str, max_calls: int) -> list[ToolCall]:
 
 
 def scripted_generate(tokenizer, width: int):
-    """run_turns' ``generate`` over the same script (child j of a request draws with its seed + j, as vLLM)."""
+    """turn_by_turn's ``generate`` over the same script (child j of a request draws with its seed + j, as vLLM)."""
 
     def generate(requests, params):
         rows = [(q, *model_turn(tokenizer, q.seed + j)) for q in requests for j in range(q.n)]
@@ -95,11 +95,11 @@ def test_a_slow_tool_holds_back_only_its_own_trajectory_and_the_samples_are_the_
     turns = ToolTurns.of(tokenizer)
     prompts = [tokenizer.encode("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")] * 2
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=96, seed=SLOW_SEED)
-    kw = dict(max_turns=3, max_calls_per_turn=1, pad_id=tokenizer.pad_token_id, parse=parse)
+    loop = AgentLoop(box, turns, max_turns=3, max_calls_per_turn=1, pad_id=tokenizer.pad_token_id, parse=parse)
     events: list = []
     try:
-        flying, metrics = run_in_flight(prompts, params, Script(tokenizer), box, turns, events=events, **kw)
-        batched, _ = run_turns(prompts, params, scripted_generate(tokenizer, 96), box, turns, **kw)
+        flying, metrics = loop.in_flight(prompts, params, Script(tokenizer), events=events)
+        batched, _ = loop.turn_by_turn(prompts, params, scripted_generate(tokenizer, 96))
     finally:
         box.close()
     # while trajectory 0 naps after its first turn, the other three finish all three turns

@@ -63,7 +63,11 @@ def test_capture_sizes_are_checked_on_the_rollout_pools_engines_and_vllms_own_ba
 
     base = [*GRAPH, "trainer.device=npu", "rollout.cudagraph_mode=FULL_DECODE_ONLY"]
     cfg = load(str(REPO / DISAGG[1]), [*base, "rollout.cudagraph_capture_sizes=[8,64,128,256]"])
-    assert npu_profile.decode_batch(cfg) == 512 and npu_profile.engine_seqs(cfg)[0] == 256
+    from gspo_ascend.config import rollout_world
+
+    devices = rollout_world(cfg)  # the pool's 2 x 2
+    assert devices == 4 and npu_profile.decode_batch(cfg, devices) == 512
+    assert npu_profile.engine_seqs(cfg, devices)[0] == 256
     with pytest.raises(ConfigError, match=re.escape("has 384 > 256, vLLM's max_num_seqs on a 64 GB NPU")):
         load(str(REPO / DISAGG[1]), [*base, "rollout.cudagraph_capture_sizes=[8,384]"])
 

@@ -169,7 +169,7 @@ def test_stages_we_do_not_have_and_kwargs_of_tools_a_row_lacks_are_said_once(che
 def test_each_trajectory_calls_with_its_rows_tools_and_hidden_arguments(checker, tokenizer):
     """Three prompts: a checker row (truth 12), a single-turn row, a row whose tools lack the checker. The parser
     stand-in has every model turn call check_answer('12')."""
-    from gspo_ascend.agent_loop import ToolTurns, run_turns
+    from gspo_ascend.agent_loop import AgentLoop, ToolTurns
     from gspo_ascend.device import get_backend
     from gspo_ascend.engines.base import SamplingParams
     from gspo_ascend.engines.hf_rollout import HFRolloutEngine
@@ -197,11 +197,10 @@ def test_each_trajectory_calls_with_its_rows_tools_and_hidden_arguments(checker,
             return answers
 
     try:
-        batch, metrics = run_turns(
-            prompts, SamplingParams(n=1, temperature=1.0, max_new_tokens=96, seed=3), engine.generate_requests,
-            Recording(), ToolTurns.of(tokenizer), max_turns=2, max_calls_per_turn=1, pad_id=engine.pad_token_id,
-            parse=answer_12, rows=rows,
-        )  # fmt: skip
+        loop = AgentLoop(Recording(), ToolTurns.of(tokenizer), max_turns=2, max_calls_per_turn=1,
+                         pad_id=engine.pad_token_id, parse=answer_12)  # fmt: skip
+        params = SamplingParams(n=1, temperature=1.0, max_new_tokens=96, seed=3)
+        batch, metrics = loop.turn_by_turn(prompts, params, engine.generate_requests, rows=rows)
         counts = box.metrics()
     finally:
         box.close()

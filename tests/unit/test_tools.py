@@ -304,7 +304,7 @@ def test_tools_make_the_agent_schedule_and_the_prompts_carry_the_schemas():
     tokenizer = _load_tokenizer(str(ensure_tiny_model()))
     cfg = load_config(None, [CALC])
     schedule = build_schedule(SimpleNamespace(cfg=cfg, tokenizer=tokenizer, resume_from=None, val_set=None))
-    assert isinstance(schedule, AgentTurns) and schedule.turns.separator == "\n"
+    assert isinstance(schedule, AgentTurns) and schedule.loop.turns.separator == "\n"
     schedule.close()
     plain = load_config(None, [])
     assert isinstance(build_schedule(SimpleNamespace(cfg=plain, resume_from=None)), Synchronous)

@@ -56,6 +56,7 @@ def test_vllm_rollout_calls_vllm_only_with_the_patches_lifted(monkeypatch):
     monkeypatch.setattr(vllm_rollout, "_lifted", lifted)
     engine = object.__new__(vllm_rollout.VLLMRolloutEngine)
     engine.llm, engine.dtype, engine._asleep, engine.sleep_supported = RecordingLLM(), torch.float32, [], True
+    engine.external_launcher = False  # vLLM's own engine process (TP 1): the weights go as bytes
     engine.update_weights(stream())
     engine.sleep()
     engine.update_weights(stream())  # asleep: wakes the weights first

@@ -56,6 +56,7 @@ class SleepModeLLM:
 def rollout_side() -> VLLMRolloutEngine:
     engine = object.__new__(VLLMRolloutEngine)  # only the sleep / update paths: no vLLM behind it
     engine.llm, engine.dtype, engine.sleep_supported = SleepModeLLM(), torch.float32, True
+    engine.external_launcher = False  # vLLM's own engine process (TP 1): the weights go as bytes
     engine.llm.sleep()
     engine._asleep = ["weights", "kv_cache"]  # as after a rollout
     return engine

@@ -52,9 +52,7 @@ class AgentTurns(Schedule):
         if self.per_rank:
             batch, metrics, lines = run.workers.generate_trajectories(ids, params, rows, step)
             for key, line in lines:  # each tool fault's first line, once for the run
-                if key not in self.toolbox.said:
-                    self.toolbox.said.add(key)
-                    self.toolbox.say(key, line)
+                self.toolbox.say_once(key, line)
             return batch, metrics
         batch, metrics = self.loop.turn_by_turn(ids, params, run.workers.generate_requests, step=step, rows=rows)
         return batch, metrics | self.toolbox.metrics()

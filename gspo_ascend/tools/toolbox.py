@@ -152,17 +152,18 @@ class ToolBox:
         # malformed calls and calls of a tool the row does not have belong to no tool
         who = name if name in self.tools and fault.kind != "unknown_tool" else "_call"
         self.counts[f"tools/{who}/{fault.kind}"] += 1
-        if (who, fault.kind) not in self.said:
-            self.said.add((who, fault.kind))
-            at = f" at step {step}" if step is not None else ""
-            counted = f"counted in tools/{who}/{fault.kind}; said once per tool and fault"
-            self.say((who, fault.kind), f"warning: tool call {fault.kind}{at} ({who}): {fault.message} (the model is "
-                                        f"told; {counted})")  # fmt: skip
+        at = f" at step {step}" if step is not None else ""
+        counted = f"counted in tools/{who}/{fault.kind}; said once per tool and fault"
+        self.say_once((who, fault.kind), f"warning: tool call {fault.kind}{at} ({who}): {fault.message} (the model "
+                                         f"is told; {counted})")  # fmt: skip
         return f"error: {fault.message}"
 
-    def say(self, key: tuple[str, str], line: str) -> None:
-        """A fault's line, the first time: on ``stream`` (stderr), or kept for :meth:`take_lines` when ``stream`` is
-        a list (a Ray worker's box: the driver says it, once for the run)."""
+    def say_once(self, key: tuple[str, str], line: str) -> None:
+        """A fault's line, the first time its (tool, kind) is seen: on ``stream`` (stderr), or kept for
+        :meth:`take_lines` when ``stream`` is a list (a Ray worker's box: the driver says it, once for the run)."""
+        if key in self.said:
+            return
+        self.said.add(key)
         if isinstance(self.stream, list):
             self.stream.append((key, line))
         else:

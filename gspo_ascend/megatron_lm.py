@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-MINDSPEED_NEEDS_IT = ("26.1.0",)  # the MindSpeed branches whose adaptor imports megatron.training
+MINDSPEED_NEEDS_IT = ("26.1.0", "0.16.0")  # the MindSpeed branches (doctor's names) that import megatron.training
 
 
 def training_root() -> str | None:

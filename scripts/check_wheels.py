@@ -300,7 +300,7 @@ def check_file(path: Path, indexes: Indexes, pythons=None) -> list[Result]:
                 status, detail = judge(pin, dists, python, arch)
                 if status == "missing" and down and not any(d.index == PYPI for d in dists):
                     status, detail = "unchecked", f"{detail}; not reachable: {', '.join(down)}"
-                elif down:  # pip would look there too (torch 2.7.1+cpu on x86_64): say what was not seen
+                elif down:  # pip would look there too (torch 2.10.0+cpu on x86_64): say what was not seen
                     detail += f" (PyPI's files only; not reachable: {', '.join(down)})"
                 results.append(Result(path.name, pin, python, arch, status, detail))
     return results

@@ -199,10 +199,10 @@ def check_atb(ctx) -> list[Check]:
 def cann_for_torch_npu(torch_npu: str) -> str | None:
     """The CANN a torch_npu build is made for. Ascend rebuilds each torch_npu base release (2.7.1) as post builds
     for later CANNs, and the table lists only some of them: a build goes with the nearest listed build of its base
-    at or below it (2.7.1.post6 -> 2.7.1.post4, CANN 9.0.0; 2.7.1.post11 -> 2.7.1.post8, CANN 9.1.0). A release
-    whose base the table does not list (2.10.0) has no known CANN: None, a warning, not a guess from a range row
-    (the 9.1.0 row spans 2.7.1.post8 … 2.12.0 in PEP 440 order, yet vllm-ascend 0.20 pairs 2.10.0 with CANN
-    9.0.0)."""
+    at or below it (2.7.1.post6 -> 2.7.1.post4, CANN 9.0.0; 2.7.1.post11 -> 2.7.1.post8, CANN 9.1.0;
+    2.10.0.post6 -> 2.10.0.post4, CANN 9.1.0). A release whose base the table does not list (2.11.0) has no known
+    CANN: None, a warning, not a guess from a range row (the 9.1.0 row spans 2.7.1.post8 … 2.12.0 in PEP 440 order,
+    yet vllm-ascend 0.20 pairs 2.10.0 with CANN 9.0.0)."""
     same_base = [
         (build, row.cann)
         for row in CANN_TORCH_NPU

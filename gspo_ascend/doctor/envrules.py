@@ -66,7 +66,8 @@ def _nic(env: Env, s: Situation) -> str | None:
 
 
 # The name torch_npu's HCCL watchdog switch is read under, from the strings of torch_npu/lib/libtorch_npu.so in the
-# PyPI wheels (cp311 x86_64): 2.7.1, 2.7.1.post2 … post10, 2.8.0, 2.8.0.post2, 2.9.0 and 2.10.0 contain only
+# PyPI wheels (cp311 x86_64): 2.7.1, 2.7.1.post2 … post10, 2.8.0, 2.8.0.post2, 2.9.0, 2.10.0 and 2.10.0.post4 (the
+# current NPU line's; it also rejects values outside 0 - 3: "HCCL_ASYNC_ERROR_HANDLING should be 0,1,2,3.") contain only
 # HCCL_ASYNC_ERROR_HANDLING ("Enabling HCCL_ASYNC_ERROR_HANDLING."); 2.7.1.post11 reads
 # TORCH_HCCL_ASYNC_ERROR_HANDLING and warns "HCCL_ASYNC_ERROR_HANDLING is deprecated, please use
 # TORCH_HCCL_ASYNC_ERROR_HANDLING instead.". Builds outside these specs were not read: for them the rule only
@@ -78,6 +79,7 @@ ASYNC_ERROR_NAMES = (
     (">=2.8.0,<=2.8.0.post2", ASYNC_ERROR_OLD),
     ("==2.9.0", ASYNC_ERROR_OLD),
     ("==2.10.0", ASYNC_ERROR_OLD),
+    ("==2.10.0.post4", ASYNC_ERROR_OLD),
 )
 
 

@@ -2,8 +2,9 @@
 rendered from it (``python -m gspo_ascend.doctor.matrix > docs/version-matrix.md``; a test keeps them equal).
 
 Sources are the vendors' own tables (Ascend/pytorch COMPATIBILITY, vllm-ascend versioning policy, MindSpeed
-README), the metadata of the released wheels where they pin each other (vllm-ascend's Requires-Dist), verl's
-Ascend Dockerfile for the NPU stack, and our CPU lock file. Peers (verl, MindSpeed-RL)
+README and release notes), the metadata of the released wheels where they pin each other (vllm-ascend's and
+vLLM's Requires-Dist), verl's Ascend install guide (the current NPU line) and Dockerfile (the previous line), and
+our CPU lock file. Peers (verl, MindSpeed-RL)
 state these pairings in prose or Dockerfiles; none checks an installed machine against them.
 """
 
@@ -21,6 +22,7 @@ class CannRow:
     cann: str
     torch_npu: tuple[str, ...]
     is_range: bool = False  # the source gives "first … last" instead of every release
+    source: str = "Ascend/pytorch COMPATIBILITY"
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,11 @@ class MindSpeedRow:
     megatron_core: str | None  # the core_rX.Y.Z branch it patches, where published
     installs_as: str | None = None  # the version its branch's setup.py declares, where it is not `mindspeed`
     released_with: str | None = None  # the CANN / TorchNPU its release notes pair it with, where `cann` is the floor
+    branch_name: str | None = None  # its git branch, where that is not `<mindspeed>_core_r<megatron_core>`
+
+    @property
+    def branch(self) -> str:
+        return self.branch_name or f"{self.mindspeed}_core_r{self.megatron_core}"
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,10 @@ class Stack:
     platform: str  # npu | cuda | cpu
     pins: tuple[tuple[str, str], ...]  # (package, version spec); "cann" and "python" are packages here
     source: str
-    # (package, version spec, why) also tested in place of that package's pin: verl's field stack (MindSpeed 2.2.0)
+    # (package, version spec, why) also accepted in place of that package's pin: verl's former field MindSpeed 2.2.0
     field: tuple[tuple[str, str, str], ...] = ()
+    # why an earlier line is kept; empty for a platform's current stack (the first of its platform in STACKS)
+    previous: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,13 +91,21 @@ CANN_TORCH_NPU = (
     CannRow("8.5.0", ("2.7.1.post2", "2.8.0.post2", "2.9.0")),
     CannRow("9.0.0", ("2.7.1.post4", "2.9.0.post2"), is_range=True),
     CannRow("9.1.0", ("2.7.1.post8", "2.12.0"), is_range=True),
+    # The torch_npu 2.10.0 builds by the CANN each vllm-ascend release pins them with (vllm-ascend
+    # docs/source/community/versioning_policy.md, 0.23.0.post1 sdist, lines 26-31): the table above spans 2.10 with
+    # its range rows only, which name no build.
+    CannRow("9.0.0", ("2.10.0",), source="vllm-ascend versioning policy (v0.20.2rc1 … v0.22.1rc1)"),
+    CannRow("9.0.1", ("2.10.0.post2",), source="vllm-ascend versioning policy (v0.23.0rc1)"),
+    CannRow("9.1.0", ("2.10.0.post4",), source="vllm-ascend versioning policy (v0.23.0, v0.23.0.post1)"),
 )
 
 # vllm-ascend docs/source/community/versioning_policy.md; vllm-ascend X.Y.Z* runs on vllm X.Y.Z. The 0.11.0 line
 # is read from the PyPI wheels' METADATA (vllm_ascend-0.11.0rc0 … 0.11.0rc3 and 0.11.0, cp311): rc0 declares
 # torch-npu==2.7.1.dev20250724 and "CANN >= 8.2.rc1"; rc1, rc2, rc3 and 0.11.0 declare torch==2.7.1,
 # torch-npu==2.7.1 and "CANN >= 8.3.rc1" (the versioning policy's 8.3.RC2 / 2.7.1.post1 for 0.11.0 is not what the
-# wheel pins).
+# wheel pins). The 0.23 line: the versioning policy of the 0.23.0.post1 sdist (lines 26-28) and the PyPI wheel
+# vllm_ascend-0.23.0-cp311 (METADATA: torch==2.10.0, torch-npu==2.10.0.post4, triton-ascend==3.2.2,
+# transformers==5.5.4; no numpy bound); 0.23.0.post1's requirements.txt:16-38 pins the same.
 VLLM_ASCEND = (
     VllmAscendRow(("0.9.1", "0.9.1"), "8.2.RC1", "2.5.1.post1"),
     VllmAscendRow(("0.10.0rc1", "0.11.0rc0"), "8.2.RC1", "2.7.1.dev20250724"),
@@ -98,7 +115,8 @@ VLLM_ASCEND = (
     VllmAscendRow(("0.11.0", "0.11.0"), "8.3.RC1", "2.7.1"),
     VllmAscendRow(("0.13.0", "0.13.0"), "8.5.0", "2.8.0.post2"),
     VllmAscendRow(("0.20.0", "0.22.99"), "9.0.0", "2.10.0", "0.20 – 0.22"),
-    VllmAscendRow(("0.23.0", "0.23.0"), "9.1.0", "2.10.0.post4"),
+    VllmAscendRow(("0.23.0rc1", "0.23.0rc1"), "9.0.1", "2.10.0.post2"),
+    VllmAscendRow(("0.23.0", "0.23.0.post1"), "9.1.0", "2.10.0.post4", "0.23.0, 0.23.0.post1"),
 )
 
 # MindSpeed README; branch "2.2.0_core_r0.12.1" patches Megatron core_v0.12.1. That branch's setup.py sets
@@ -107,7 +125,11 @@ VLLM_ASCEND = (
 # declares 0.12.1 too (doctor tells them apart by their files: packages.MINDSPEED_BRANCH_MARKERS). Its
 # docs/zh/release_notes_core.md: table 1 pairs it with CANN 9.1.0, TorchNPU 26.1.0, Python 3.10, PyTorch 2.7.1;
 # tables 2 and 3 mark it compatible ("Y") with TorchNPU 7.2.0 / 7.3.0 / 26.0.0 / 26.1.0 and CANN 8.3.RC1 / 8.5.0 /
-# 9.0.0 / 9.1.0, so its floor is our pinned CANN 8.3.RC1 + torch_npu 2.7.1 (TorchNPU 7.2.0).
+# 9.0.0 / 9.1.0, so its floor is the previous line's CANN 8.3.RC1 + torch_npu 2.7.1 (TorchNPU 7.2.0).
+# Branch core_r0.16.0 (MindSpeed's Mcore 0.16 line, no release prefix; ../shared/upstream, commit e477249): its
+# README's table pairs "MindSpeed Core分支 0.16.0" with Mcore 0.16.0, CANN 9.0.0, PyTorch 2.7.1, torch_npu 26.0.0,
+# Python 3.10, and its setup.py declares __version__ = '0.16.0'. verl's Ascend guide (2026-08) runs it with CANN
+# 9.1.0 and torch 2.10.0, the current line; MindSpeed's own table names no torch 2.10 pairing.
 MINDSPEED = (
     MindSpeedRow("2.1.0", "8.2.RC1", "7.1.RC1", None, None),
     MindSpeedRow("2.2.0", "8.3.RC1", "7.2.0", "2.7.1", "0.12.1", installs_as="0.12.1"),
@@ -117,14 +139,49 @@ MINDSPEED = (
         "26.1.0", "8.3.RC1", "7.2.0 – 26.1.0", "2.7.1", "0.12.1", installs_as="0.12.1",
         released_with="CANN 9.1.0, TorchNPU 26.1.0",
     ),
+    MindSpeedRow("0.16.0", "9.0.0", "26.0.0", "2.7.1", "0.16.0", installs_as="0.16.0", branch_name="core_r0.16.0"),
 )  # fmt: skip
 
-# Python versions each torch minor supports (PyTorch release notes).
-TORCH_PYTHON = {"2.7": ("3.9", "3.13"), "2.8": ("3.9", "3.13"), "2.9": ("3.10", "3.13")}
+# Python versions each torch minor supports (PyTorch release notes; 2.10 and 2.11: their PyPI wheels, cp310 - cp314,
+# Requires-Python >=3.10).
+TORCH_PYTHON = {
+    "2.7": ("3.9", "3.13"),
+    "2.8": ("3.9", "3.13"),
+    "2.9": ("3.10", "3.13"),
+    "2.10": ("3.10", "3.14"),
+    "2.11": ("3.10", "3.14"),
+}
+
+PREVIOUS_NPU_LINE = (
+    "supported for compatibility: MindSpeed 26.1.0_core_r0.12.1 is maintained until 2026-12-30 and stays tested in "
+    "CI on CPU, for teams on CANN 8.3 images"
+)
 
 STACKS = (
     Stack(
         "gspo-ascend Ascend stack",
+        "npu",
+        (
+            ("cann", "==9.1.0"),
+            ("torch", "==2.10.0"),
+            ("torch-npu", "==2.10.0.post4"),
+            ("triton-ascend", "==3.2.2"),
+            ("vllm", "==0.23.0"),
+            ("vllm-ascend", "==0.23.0"),
+            ("megatron-core", "==0.16.0"),
+            ("mindspeed", "==0.16.0"),  # branch core_r0.16.0, as pip shows it (its setup.py's version)
+            ("transformers", "==5.5.4"),
+            # MindSpeed's requirements.txt declares numpy<=1.26.0, so an install of MindSpeed with its dependencies
+            # moves this pin (doctor names that cause: packages.check_stack); vllm-ascend 0.23.0 has no numpy bound
+            ("numpy", "==1.26.4"),
+        ),
+        "requirements-npu.txt: verl's vLLM route for Ascend (docs/ascend_tutorial/get_start/install_guidance.rst, "
+        "2026-08: CANN 9.1.0, torch 2.10.0 / torch_npu 2.10.0.post4, vLLM / vllm-ascend 0.23.0, Megatron-LM / "
+        "MindSpeed core_r0.16.0, transformers 5.10.4) with the vllm-ascend 0.23.0 wheel's own pins (torch==2.10.0, "
+        "torch-npu==2.10.0.post4, triton-ascend==3.2.2, transformers==5.5.4: pip refuses verl's 5.10.4 next to it)",
+    ),
+    Stack(
+        "gspo-ascend Ascend stack, previous line",
         "npu",
         (
             ("cann", "==8.3.RC1"),
@@ -135,17 +192,22 @@ STACKS = (
             ("megatron-core", "==0.12.1"),
             ("mindspeed", "==26.1.0"),
             ("transformers", "==4.57.1"),
-            # vllm-ascend 0.11 declares numpy<2; MindSpeed's requirements.txt declares numpy<=1.26.0, so an install
-            # of MindSpeed with its dependencies moves this pin (doctor names that cause: packages.check_stack)
-            ("numpy", "==1.26.4"),
+            ("numpy", "==1.26.4"),  # vllm-ascend 0.11 declares numpy<2
         ),
-        "requirements-npu.txt: the stack of verl's docker/ascend/Dockerfile.ascend_8.3.rc1_a2 (which has vllm-ascend "
-        "0.11.0rc1, transformers 4.57.6, triton-ascend 3.2.0rc4) moved to the vllm-ascend 0.11.0 wheel and the "
-        "transformers<=4.57.1 that wheel declares; MindSpeed 26.1.0, the maintained branch, which its release notes "
-        "mark compatible with CANN 8.3.RC1 and TorchNPU 7.2.0 (torch_npu 2.7.1)",
+        "requirements-npu.txt until the move to the 0.23 line: the stack of verl's "
+        "docker/ascend/Dockerfile.ascend_8.3.rc1_a2 (which has vllm-ascend 0.11.0rc1, transformers 4.57.6, "
+        "triton-ascend 3.2.0rc4) moved to the vllm-ascend 0.11.0 wheel and the transformers<=4.57.1 that wheel "
+        "declares; MindSpeed 26.1.0, whose release notes mark it compatible with CANN 8.3.RC1 and TorchNPU 7.2.0 "
+        "(torch_npu 2.7.1)",
         field=(
-            ("mindspeed", "==2.2.0", "verl's field stack (branch 2.2.0_core_r0.12.1, unmaintained since 2026-03-30)"),
+            (
+                "mindspeed",
+                "==2.2.0",
+                "verl's former field stack (branch 2.2.0_core_r0.12.1, unmaintained since 2026-03-30; out of CI, "
+                "still runnable with scripts/check_mindspeed.sh --branch 2.2.0)",
+            ),
         ),
+        previous=PREVIOUS_NPU_LINE,
     ),
     Stack(
         "gspo-ascend CPU stack",
@@ -169,8 +231,8 @@ KNOWN_BAD = (
         ("npu",),
         "its flash_attention_2 path demands the flash_attn package, which cannot be installed on Ascend "
         "(PackageNotFoundError: No package metadata was found for flash_attn; transformers #40262)",
-        "install transformers 4.57.1 (requirements-npu.txt; 4.57.6 where vllm-ascend < 0.11.0rc3) or 4.52.4, or use "
-        "model.attn_implementation=sdpa",
+        "install the transformers of your line (requirements-npu.txt: 5.5.4 with vllm-ascend 0.23.0; 4.57.1 with "
+        "0.11.0, 4.57.6 where vllm-ascend < 0.11.0rc3), or use model.attn_implementation=sdpa",
     ),
 )
 
@@ -183,6 +245,18 @@ REQUIREMENTS = (
     ),
     Requirement("mbridge", "*", "einops", "*", ("cpu", "npu", "cuda"), "mbridge imports einops without declaring it"),
     Requirement("vllm", "==0.11.*", "torch", "==2.8.0", ("cuda",), "vLLM 0.11 CUDA wheels are built for torch 2.8.0"),
+    # METADATA of the vllm 0.23.0 wheel (PyPI): torch==2.11.0, torchvision==0.26.0, torchaudio==2.11.0
+    Requirement("vllm", "==0.23.*", "torch", "==2.11.0", ("cuda",), "vLLM 0.23 CUDA wheels are built for torch 2.11.0"),
+    # vLLM 0.23.0 requirements/common.txt:10 (and its wheel's Requires-Dist): on every platform, the NPU's source build
+    # included
+    Requirement(
+        "vllm",
+        "==0.23.*",
+        "transformers",
+        ">=4.56.0,!=5.0.*,!=5.1.*,!=5.2.*,!=5.3.*,!=5.4.*,!=5.5.0",
+        ("npu", "cuda"),
+        "vLLM 0.23 declares transformers>=4.56.0, not 5.0 - 5.4 or 5.5.0",
+    ),
     # METADATA of the vllm_ascend 0.11.0rc3 and 0.11.0 wheels (rc0 … rc2 do not cap transformers)
     Requirement(
         "vllm-ascend",
@@ -194,13 +268,30 @@ REQUIREMENTS = (
     ),
     # METADATA of every vllm_ascend 0.11.0rc0 … 0.11.0 wheel: Requires-Dist numpy<2.0.0
     Requirement("vllm-ascend", ">=0.11.0rc0,<=0.11.0", "numpy", "<2", ("npu",), "vllm-ascend 0.11 declares numpy<2"),
+    # METADATA of the vllm_ascend 0.23.0 wheels; 0.23.0.post1's requirements.txt:16-38 pins the same
+    *(
+        Requirement(
+            "vllm-ascend",
+            ">=0.23.0,<=0.23.0.post1",
+            needs,
+            f"=={version}",
+            ("npu",),
+            f"vllm-ascend 0.23.0 declares {needs}=={version}",
+        )
+        for needs, version in (
+            ("torch", "2.10.0"),
+            ("torch-npu", "2.10.0.post4"),
+            ("triton-ascend", "3.2.2"),
+            ("transformers", "5.5.4"),
+        )
+    ),
 )
 
 
 @dataclass(frozen=True)
 class PinnedRun:
-    """One run of scripts/check_pinned_stack.sh: the cluster pins (requirements-gpu.txt) on CPU. A record of what
-    was tested, rendered into the docs; the doctor does not check against it."""
+    """One run of scripts/check_pinned_stack.sh: the cluster pins requirements-gpu.txt held then, installed on CPU. A
+    record of what was tested, rendered into the docs; the doctor does not check against it."""
 
     date: str
     packages: tuple[tuple[str, str], ...]  # (package, installed version and how)
@@ -208,6 +299,8 @@ class PinnedRun:
     changes: tuple[str, ...]  # what our code does differently for these releases
 
 
+# The previous line's GPU pins (vLLM 0.11.0, torch 2.8.0, megatron-core 0.12.1, transformers 4.57.6, mbridge 0.13.1),
+# not requirements-gpu.txt's current ones: the 0.23 line has not been through scripts/check_pinned_stack.sh yet.
 CLUSTER_PINS_ON_CPU = PinnedRun(
     "2026-11-21",
     (
@@ -283,10 +376,28 @@ def render_markdown() -> str:
         "",
     ]
     for stack in STACKS:
-        lines += [f"## {stack.name} ({stack.platform})", "", f"Source: {stack.source}.", ""]
-        rows = [(p, f"`{s}`") for p, s in stack.pins] + [(p, f"`{s}` also tested: {why}") for p, s, why in stack.field]
+        lines += [f"## {stack.name} ({stack.platform})", ""]
+        lines += (
+            [f"Doctor reports a machine on it as on the previous line, {stack.previous}.", ""] if stack.previous else []
+        )
+        lines += [f"Source: {stack.source}.", ""]
+        rows = [(p, f"`{s}`") for p, s in stack.pins] + [
+            (p, f"`{s}` also accepted: {why}") for p, s, why in stack.field
+        ]
         lines += _table(("package", "version"), rows) + [""]
-    lines += [
+    lines += _render_vendor_tables()
+    lines += ["## Known-bad releases", ""]
+    rows = [(b.package, ", ".join(b.versions), ", ".join(b.platforms), b.problem, b.fix) for b in KNOWN_BAD]
+    lines += _table(("package", "versions", "on", "problem", "fix"), rows) + [""]
+    lines += ["## Requirements between packages", "", "Source: each wheel's Requires-Dist (METADATA), as cited.", ""]
+    rows = [(f"{r.package} `{r.when}`", f"{r.needs} `{r.spec}`", ", ".join(r.platforms), r.why) for r in REQUIREMENTS]
+    lines += _table(("package", "needs", "on", "why"), rows) + [""]
+    lines += _render_pinned_run(CLUSTER_PINS_ON_CPU)
+    return "\n".join(lines) + "\n"
+
+
+def _render_vendor_tables() -> list[str]:
+    lines = [
         "## CANN and torch_npu",
         "",
         "torch_npu X.Y.Z[.postN] needs torch X.Y.Z. A post build not listed goes with the nearest listed build of "
@@ -294,12 +405,24 @@ def render_markdown() -> str:
         "that contains it.",
         "",
     ]
-    rows = [(r.cann, (" … " if r.is_range else ", ").join(r.torch_npu)) for r in CANN_TORCH_NPU]
-    lines += _table(("CANN", "torch_npu"), rows) + [""]
-    lines += ["## vllm-ascend", "", "vllm-ascend X.Y.Z* runs on vllm X.Y.Z.", ""]
+    rows = [(r.cann, (" … " if r.is_range else ", ").join(r.torch_npu), r.source) for r in CANN_TORCH_NPU]
+    lines += _table(("CANN", "torch_npu", "source"), rows) + [""]
+    lines += [
+        "## vllm-ascend",
+        "",
+        "vllm-ascend X.Y.Z* runs on vllm X.Y.Z. Source: vllm-ascend's versioning policy; the 0.11.0 and 0.23.0 rows "
+        "as their PyPI wheels' METADATA pins them.",
+        "",
+    ]
     rows = [(r.label or _bounds(r.vllm_ascend), r.cann, r.torch_npu) for r in VLLM_ASCEND]
     lines += _table(("vllm-ascend", "CANN", "torch / torch_npu"), rows) + [""]
-    lines += ["## MindSpeed", "", "pip shows a MindSpeed branch under the version its setup.py declares.", ""]
+    lines += [
+        "## MindSpeed",
+        "",
+        "pip shows a MindSpeed branch under the version its setup.py declares. Source: MindSpeed's README and release "
+        "notes (core_r0.16.0: the README's recommended pairing; 26.1.0: its release notes' compatibility tables).",
+        "",
+    ]
     rows = [
         (
             r.mindspeed, r.cann, r.torchnpu_product or "-", r.torch or "-", r.megatron_core or "-", _installs_as(r),
@@ -309,25 +432,19 @@ def render_markdown() -> str:
     ]  # fmt: skip
     header = ("MindSpeed", "CANN (from)", "TorchNPU product", "torch", "megatron-core", "pip shows", "released with")
     lines += _table(header, rows) + [""]
-    lines += ["## Python per torch", ""]
-    lines += _table(("torch", "Python"), [(t, f"{lo} – {hi}") for t, (lo, hi) in TORCH_PYTHON.items()]) + [""]
-    lines += ["## Known-bad releases", ""]
-    rows = [(b.package, ", ".join(b.versions), ", ".join(b.platforms), b.problem, b.fix) for b in KNOWN_BAD]
-    lines += _table(("package", "versions", "on", "problem", "fix"), rows) + [""]
-    lines += ["## Requirements between packages", ""]
-    rows = [(f"{r.package} `{r.when}`", f"{r.needs} `{r.spec}`", ", ".join(r.platforms), r.why) for r in REQUIREMENTS]
-    lines += _table(("package", "needs", "on", "why"), rows) + [""]
-    lines += _render_pinned_run(CLUSTER_PINS_ON_CPU)
-    return "\n".join(lines) + "\n"
+    lines += ["## Python per torch", "", "Source: PyTorch's release notes; 2.10 and 2.11: their PyPI wheels.", ""]
+    return lines + _table(("torch", "Python"), [(t, f"{lo} – {hi}") for t, (lo, hi) in TORCH_PYTHON.items()]) + [""]
 
 
 def _render_pinned_run(run: PinnedRun) -> list[str]:
     lines = [
-        "## Cluster pins on CPU",
+        "## Previous line's cluster pins on CPU",
         "",
         f"`bash scripts/check_pinned_stack.sh` (not CI: it builds `.venv-pinned/`, ~4 GB) installs the pins of "
-        f"requirements-gpu.txt on CPU and runs these tests; last run {run.date}, all green. Each fix is chosen by "
-        "feature detection, so CI's stack takes the same path as before (troubleshooting.md, \"Cluster pins on "
+        f"requirements-gpu.txt on CPU and runs these tests; last run {run.date}, all green, on the pins of the "
+        "previous line below (vLLM 0.11.0, torch 2.8.0, megatron-core 0.12.1), not on the current requirements-gpu.txt "
+        "(vLLM 0.23.0, torch 2.11.0, megatron-core 0.16.0), which has not been run through it yet. Each fix is chosen "
+        "by feature detection, so CI's stack takes the same path as before (troubleshooting.md, \"Cluster pins on "
         'CPU", has the error messages).',
         "",
     ]
@@ -339,7 +456,7 @@ def _render_pinned_run(run: PinnedRun) -> list[str]:
 def _installs_as(row: MindSpeedRow) -> str:
     if not row.installs_as:
         return "-"
-    return f"{row.installs_as} = branch {row.mindspeed}_core_r{row.megatron_core}"
+    return f"{row.installs_as} = branch {row.branch}"
 
 
 def _bounds(bounds: tuple[str, str]) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .ascend import cann_for_torch_npu
 from .check import Check
-from .matrix import KNOWN_BAD, MINDSPEED, REQUIREMENTS, STACKS, TORCH_PYTHON, VLLM_ASCEND, MindSpeedRow
+from .matrix import KNOWN_BAD, MINDSPEED, REQUIREMENTS, STACKS, TORCH_PYTHON, VLLM_ASCEND, MindSpeedRow, Stack
 from .versions import compare, matches, normalize_name, release
 
 # Installed distributions whose declared dependencies can move a pinned package when they are installed with
@@ -23,11 +23,14 @@ DECLARERS = ("mindspeed",)
 _REQUIRES = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9_.\-]*)\s*(?:\[[^\]]*\])?\s*\(?([^;()]*)\)?\s*(?:;(.*))?$")
 
 
-# Both MindSpeed branches we hold declare ``__version__ = '0.12.1'`` in their setup.py, so pip shows either as
-# mindspeed 0.12.1. A file one branch has and the other lacks tells them apart (diff of the two archives'
-# mindspeed/ trees, ../shared/upstream): 26.1.0 added the dist-checkpointing adaptor, 2.2.0 still has the legacy
-# pipe-experts MoE module. First match wins.
+# Both 0.12.1 MindSpeed branches we hold declare ``__version__ = '0.12.1'`` in their setup.py, so pip shows either as
+# mindspeed 0.12.1. A file one branch has and the others lack tells them apart (diff of the three archives'
+# mindspeed/ trees, ../shared/upstream): core_r0.16.0 (pip: 0.16.0, keyed by its MINDSPEED row "0.16.0") has the
+# DSA module spec of Mcore 0.16's experimental_attention_variant package (the features_manager/.../dsa.py beside it
+# is in 26.1.0 too), 26.1.0 added the dist-checkpointing adaptor, 2.2.0 still has the legacy pipe-experts MoE module.
+# First match wins.
 MINDSPEED_BRANCH_MARKERS = (
+    ("0.16.0", "core/transformer/experimental_attention_variant/dsa_module_spec.py"),
     ("26.1.0", "core/dist_checkpointing/checkpoint_adaptor.py"),
     ("2.2.0", "moe/pipe_experts.py"),
 )
@@ -96,7 +99,8 @@ def check_listing(ctx) -> list[Check]:
     source = f"planned (from {ctx.versions_file})" if ctx.planned is not None else "installed"
     found = mindspeed_branch(mindspeed_package_dir()) if ctx.planned is None and "mindspeed" in seen else None
     if found:  # on every platform, not only where compat-mindspeed runs: pip's 0.12.1 names no branch
-        seen["mindspeed"] += f" (branch {found[0]})"
+        row = mindspeed_row(found[0]) if found[0] != UNKNOWN_BRANCH else None
+        seen["mindspeed"] += f" (branch {row.branch if row else found[0]})"
     listed = ", ".join(f"{k} {v}" for k, v in sorted(seen.items())) or "none"
     checks = [Check("packages", "ok", f"{source}: {listed}")]
     if "torch" not in seen:
@@ -164,7 +168,7 @@ def check_vllm_ascend(seen: dict[str, str]) -> list[Check]:
 
 def mindspeed_row(version: str) -> MindSpeedRow | None:
     """MindSpeed's row for a release number (2.2.0, from --versions) or for what pip shows of a branch install
-    (0.12.1: branch 2.2.0_core_r0.12.1 declares that version in its setup.py)."""
+    (0.12.1: branch 2.2.0_core_r0.12.1 declares that version in its setup.py; 0.16.0: branch core_r0.16.0)."""
     want = release(version)
     exact = next((r for r in MINDSPEED if release(r.mindspeed) == want), None)
     # 0.12.1 alone (a --versions file, no files to look at) is read as 2.2.0, the first branch that declared it;
@@ -182,8 +186,9 @@ def check_mindspeed(seen: dict[str, str]) -> list[Check]:
             Check(
                 "compat-mindspeed",
                 "warn",
-                f"MindSpeed (pip: {version}) is neither branch we test: {evidence}",
-                "install branch 26.1.0_core_r0.12.1 (maintained) or 2.2.0_core_r0.12.1 (verl's); docs/install-npu.md",
+                f"MindSpeed (pip: {version}) is none of the branches we test: {evidence}",
+                "install branch core_r0.16.0 (current line) or 26.1.0_core_r0.12.1 (previous line); "
+                "docs/install-npu.md",
             )
         ]
     row = mindspeed_row(branch or version)
@@ -192,7 +197,7 @@ def check_mindspeed(seen: dict[str, str]) -> list[Check]:
             Check("compat-mindspeed", "warn", f"MindSpeed {version} is not in the table", "see docs/version-matrix.md")
         ]
     if branch:  # an installed branch: say which one and the file that shows it
-        ms = f"{row.mindspeed} (branch {row.mindspeed}_core_r{row.megatron_core}: {evidence}; pip: {version})"
+        ms = f"{row.mindspeed} (branch {row.branch}: {evidence}; pip: {version})"
     else:
         ms = row.mindspeed if release(version) == release(row.mindspeed) else f"{row.mindspeed} (pip: {version})"
     core = seen.get("megatron-core")
@@ -202,8 +207,7 @@ def check_mindspeed(seen: dict[str, str]) -> list[Check]:
                 "compat-mindspeed",
                 "fail",
                 f"MindSpeed {ms} patches megatron-core {row.megatron_core}, found {core or 'none'}",
-                f"pip install megatron-core=={row.megatron_core} "
-                f"(MindSpeed branch {row.mindspeed}_core_r{row.megatron_core})",
+                f"pip install megatron-core=={row.megatron_core} (MindSpeed branch {row.branch})",
             )
         ]
     if seen.get("cann") and compare(seen["cann"], row.cann) < 0:
@@ -269,28 +273,47 @@ def check_requirements(seen: dict[str, str], platform: str) -> list[Check]:
 def check_stack(
     seen: dict[str, str], platform: str, declared: dict[str, list[tuple[str, str]]] | None = None
 ) -> list[Check]:
-    """One line: the packages that differ from this platform's tested stack, each with its cause where an installed
-    distribution's declared requirement explains it (``declared``: :func:`declared_requirements`)."""
-    stack = next((s for s in STACKS if s.platform == platform), None)
-    if stack is None:
+    """One line: the tested stack of this platform that the packages match (a previous line says so), or the
+    packages that differ from the nearest one (fewest differences; the current line on a tie), each with its cause
+    where an installed distribution's declared requirement explains it (``declared``: :func:`declared_requirements`)."""
+    stacks = [s for s in STACKS if s.platform == platform]
+    if not stacks:
         return []
     installed = seen
     ms = seen.get("mindspeed-branch") or seen.get("mindspeed")
     row = mindspeed_row(ms) if ms else None
-    if row is not None:  # the stack pins MindSpeed releases; pip shows a branch's own version (0.12.1)
+    if row is not None:  # the stacks pin MindSpeed releases; pip shows a branch's own version (0.12.1)
         seen = {**seen, "mindspeed": row.mindspeed}
+    stack, differing = min(((s, _differing(seen, s)) for s in stacks), key=lambda pair: len(pair[1]))
+    if not differing:
+        return [Check("stack", "ok", f"matches the {stack.name}" + _previous_note(stack))]
     differs, fixes = [], []
-    for package, spec in stack.pins:
-        if _pin_ok(seen, package, spec) or any(_pin_ok(seen, p, s) for p, s, _ in stack.field if p == package):
-            continue
+    for package, spec in differing:
         cause = _declared_cause(package, spec, installed, declared or {})
         differs.append(f"{package} {seen.get(package, 'none')} (tested {spec.lstrip('=')}{cause[0] if cause else ''})")
         fixes += [cause[1]] if cause else []
-    if not differs:
-        return [Check("stack", "ok", f"matches the {stack.name}")]
     rest = f"pin the tested versions ({stack.source}) or report results with this block"
     fix = "; ".join(fixes + ([] if len(fixes) == len(differs) else [("for the rest, " if fixes else "") + rest]))
     return [Check("stack", "warn", f"differs from the {stack.name}: " + ", ".join(differs), fix)]
+
+
+def _differing(seen: dict[str, str], stack: Stack) -> list[tuple[str, str]]:
+    """The (package, spec) pins of ``stack`` that ``seen`` does not meet, a field alternative counting as met."""
+    return [
+        (package, spec)
+        for package, spec in stack.pins
+        if not (_pin_ok(seen, package, spec) or any(_pin_ok(seen, p, s) for p, s, _ in stack.field if p == package))
+    ]
+
+
+def _previous_note(stack: Stack) -> str:
+    """For a previous line: why it is kept and what the current line of its platform is."""
+    if not stack.previous:
+        return ""
+    current = next(s for s in STACKS if s.platform == stack.platform and not s.previous)
+    keys = ("cann", "torch-npu", "vllm-ascend", "megatron-core")
+    pins = ", ".join(f"{p} {s.lstrip('=')}" for p, s in current.pins if p in keys)
+    return f" ({stack.previous}); the current line is {pins} (docs/install-{stack.platform}.md)"
 
 
 def _declared_cause(package: str, spec: str, installed: dict[str, str], declared) -> tuple[str, str] | None:

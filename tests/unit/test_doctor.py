@@ -11,11 +11,25 @@ from gspo_ascend.doctor import exit_code, render_text, run_checks
 from gspo_ascend.doctor.hardware import parse_npu_smi, parse_nvidia_smi, profile_for
 from gspo_ascend.doctor.runner import CommandResult
 from tests.conftest import REPO
-from tests.fixtures.doctor.fakehost import HERE, SOURCED, VERL_STACK, context, make_sysroot, recorded
+from tests.fixtures.doctor.fakehost import (
+    HERE,
+    SOURCED,
+    SOURCED_CANN_91,
+    VERL_ROUTE_2026,
+    VERL_STACK,
+    context,
+    make_sysroot,
+    recorded,
+)
 
-# requirements-npu.txt's stack as pip lists it: verl's with the vllm-ascend 0.11.0 wheel and the transformers it
-# allows, and MindSpeed's branch 2.2.0_core_r0.12.1 under the version its setup.py declares.
+# The previous line's requirements-npu.txt as pip lists it: verl's 8.3.RC1 image with the vllm-ascend 0.11.0 wheel and
+# the transformers it allows, and MindSpeed's branch 2.2.0_core_r0.12.1 under the version its setup.py declares. The
+# fake Atlas host (make_sysroot) has CANN 8.3.RC1, so most rules below are exercised on this line.
 NPU_STACK = {**VERL_STACK, "vllm_ascend": "0.11.0", "transformers": "4.57.1", "mindspeed": "0.12.1"}
+
+# The current requirements-npu.txt as pip lists it: verl's 2026 vLLM route with the transformers vllm-ascend 0.23.0
+# declares (==5.5.4, not verl's 5.10.4); MindSpeed core_r0.16.0 shows as 0.16.0.
+CURRENT_NPU_STACK = {**VERL_ROUTE_2026, "transformers": "5.5.4", "mbridge": "0.15.1", "ray": "2.60.0"}
 
 
 def by_name(checks):
@@ -63,23 +77,55 @@ def test_nvidia_smi_parser_and_profiles():
 
 
 def test_consistent_atlas_host_is_all_ok(tmp_path):
-    ctx, checks, all_checks = atlas(tmp_path)
+    kw = {"cann": "9.1.0", "layout": "cann-8.5"}
+    ctx, checks, all_checks = atlas(tmp_path, env=SOURCED_CANN_91, planned=CURRENT_NPU_STACK, **kw)
     assert ctx.platform == "npu"
     assert [c for c in all_checks if c.status != "ok"] == []
     assert checks["hardware"].finding.startswith("8 x 910B3, 65536 MiB each (npu-smi 25.3.rc1)")
-    assert "driver 25.3.rc1" in checks["ascend-driver"].finding
-    assert "CANN 8.3.RC1 (legacy layout" in checks["cann"].finding
-    assert checks["compat-cann"].status == "ok" and checks["compat-vllm-ascend"].status == "ok"
+    assert "CANN 9.1.0 (cann-8.5 layout" in checks["cann"].finding
+    assert checks["compat-cann"].finding == "CANN 9.1.0 matches torch_npu 2.10.0.post4"
+    assert checks["compat-vllm-ascend"].finding == "vllm-ascend 0.23.0 with vllm 0.23.0, CANN 9.1.0"
+    assert checks["compat-mindspeed"].finding == "MindSpeed 0.16.0 with megatron-core 0.16.0"
     assert checks["stack"].finding == "matches the gspo-ascend Ascend stack"
-    assert checks["compat-mindspeed"].finding == "MindSpeed 2.2.0 (pip: 0.12.1) with megatron-core 0.12.1"
     assert exit_code(all_checks) == 0
 
 
+def test_previous_line_atlas_host_is_all_ok_and_named_the_previous_line(tmp_path):
+    ctx, checks, all_checks = atlas(tmp_path)
+    assert ctx.platform == "npu"
+    assert [c for c in all_checks if c.status != "ok"] == []
+    assert "driver 25.3.rc1" in checks["ascend-driver"].finding
+    assert "CANN 8.3.RC1 (legacy layout" in checks["cann"].finding
+    assert checks["compat-cann"].status == "ok" and checks["compat-vllm-ascend"].status == "ok"
+    assert checks["compat-mindspeed"].finding == "MindSpeed 2.2.0 (pip: 0.12.1) with megatron-core 0.12.1"
+    stack = checks["stack"].finding
+    assert stack.startswith("matches the gspo-ascend Ascend stack, previous line (supported for compatibility: ")
+    assert "2026-12-30" in stack and "CANN 8.3 images" in stack
+    assert stack.endswith(
+        "the current line is cann 9.1.0, torch-npu 2.10.0.post4, vllm-ascend 0.23.0, megatron-core 0.16.0 "
+        "(docs/install-npu.md)"
+    )
+    assert exit_code(all_checks) == 0
+
+
+def test_verl_2026_route_fails_on_the_transformers_vllm_ascend_declares(tmp_path):
+    # verl's guide pairs vllm-ascend 0.23.0 with transformers 5.10.4; the 0.23.0 wheel declares transformers==5.5.4
+    kw = {"cann": "9.1.0", "layout": "cann-8.5"}
+    _, checks, all_checks = atlas(tmp_path, env=SOURCED_CANN_91, planned=VERL_ROUTE_2026, **kw)
+    assert sorted(c.name for c in all_checks if c.status != "ok") == ["requires-transformers", "stack"]
+    assert "vllm-ascend 0.23.0 needs transformers ==5.5.4, found 5.10.4" in checks["requires-transformers"].finding
+    assert checks["stack"].finding == "differs from the gspo-ascend Ascend stack: transformers 5.10.4 (tested 5.5.4)"
+
+
 def test_verl_image_stack_only_differs_from_ours(tmp_path):
-    # verl's own A2 image (vllm-ascend 0.11.0rc1 from source, transformers 4.57.6) still passes every matrix rule
+    # verl's own 8.3.RC1 A2 image (vllm-ascend 0.11.0rc1 from source, transformers 4.57.6) still passes every matrix
+    # rule; it is nearest the previous line
     _, checks, all_checks = atlas(tmp_path, planned=VERL_STACK)
     assert [c.name for c in all_checks if c.status != "ok"] == ["stack"]
-    assert "vllm-ascend 0.11.0rc1 (tested 0.11.0)" in checks["stack"].finding
+    assert checks["stack"].finding == (
+        "differs from the gspo-ascend Ascend stack, previous line: vllm-ascend 0.11.0rc1 (tested 0.11.0), "
+        "transformers 4.57.6 (tested 4.57.1)"
+    )
 
 
 def test_cann_too_old_for_torch_npu(tmp_path):
@@ -193,6 +239,14 @@ def test_gpu_hosts(tmp_path):
     checks = by_name(run_checks(context(tmp_path, planned=planned, runner=recorded(nvidia="nvidia-smi-8xL40S.csv"))))
     assert checks["hardware-model"].status == "warn"
     assert checks["requires-torch"].status == "fail" and "vLLM 0.11 CUDA wheels" in checks["requires-torch"].finding
+    # requirements-gpu.txt's line: vLLM 0.23.0's CUDA wheel declares torch==2.11.0
+    planned = {"torch": "2.11.0", "vllm": "0.23.0", "transformers": "5.5.4"}
+    checks = run_checks(context(tmp_path, planned=planned, runner=recorded(nvidia="nvidia-smi-8xH20.csv")))
+    assert [c.name for c in checks if c.status == "fail"] == []
+    older = {**planned, "torch": "2.10.0", "transformers": "5.5.0"}
+    checks = by_name(run_checks(context(tmp_path, planned=older, runner=recorded(nvidia="nvidia-smi-8xH20.csv"))))
+    assert "vLLM 0.23 CUDA wheels are built for torch 2.11.0" in checks["requires-torch"].finding
+    assert "not 5.0 - 5.4 or 5.5.0" in checks["requires-transformers"].finding
 
 
 # ----------------------------------------------------------------------------------------------- planned stacks
@@ -201,7 +255,7 @@ def test_gpu_hosts(tmp_path):
 def test_known_bad_transformers_on_npu(tmp_path):
     _, checks, _ = atlas(tmp_path, planned={**NPU_STACK, "transformers": "4.55.3"})
     bad = checks["known-bad-transformers"]
-    assert bad.status == "fail" and "flash_attn" in bad.finding and "4.57.1" in bad.fix
+    assert bad.status == "fail" and "flash_attn" in bad.finding and "5.5.4" in bad.fix and "4.57.1" in bad.fix
 
 
 def test_mismatched_torch_and_mindspeed_core(tmp_path):

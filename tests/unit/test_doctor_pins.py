@@ -13,17 +13,33 @@ import sys
 
 from gspo_ascend.doctor import packages
 from tests.conftest import REPO
-from tests.fixtures.doctor.fakehost import SOURCED, context, make_sysroot, recorded
+from tests.fixtures.doctor.fakehost import SOURCED_CANN_91, context, make_sysroot, recorded
 
-# Requires-Dist of MindSpeed branch 2.2.0_core_r0.12.1 (setup.py: install_requires = requirements.txt, read from
-# the archive ../shared/upstream/mindspeed-2.2.0_core_r0.12.1-a654440.tar.gz); pip lists the branch as 0.12.1.
+# Requires-Dist of MindSpeed branch core_r0.16.0 (setup.py: install_requires = requirements.txt, read from the
+# archive ../shared/upstream/mindspeed-core_r0.16.0-e477249.tar.gz); pip lists the branch as 0.16.0. Branch
+# 2.2.0_core_r0.12.1's requirements.txt is the same without pydantic.
 MINDSPEED_REQUIRES = (
     "pybind11 ninja wheel numpy<=1.26.0 six regex decorator attrs psutil pyyaml protobuf einops scipy sentencepiece "
-    "pytest pytest-mock transformers>=4.43.2 gpytorch pandas scikit-learn SQLAlchemy"
+    "pytest pytest-mock transformers>=4.43.2 gpytorch pandas scikit-learn SQLAlchemy pydantic"
 ).split()
 
-# requirements-npu.txt as installed, except numpy
+# requirements-npu.txt as installed (the x86_64 torch is PyTorch's CPU build), except numpy and MindSpeed
 INSTALLED = {
+    "torch": "2.10.0+cpu",
+    "torch_npu": "2.10.0.post4",
+    "triton_ascend": "3.2.2",
+    "vllm": "0.23.0",
+    "vllm_ascend": "0.23.0",
+    "megatron_core": "0.16.0",
+    "transformers": "5.5.4",
+    "mbridge": "0.15.1",
+    "einops": "0.8.1",
+    "ray": "2.60.0",
+}
+
+# the previous line's requirements-npu.txt as installed, except numpy and MindSpeed (branches 26.1.0 / 2.2.0 show as
+# 0.12.1)
+INSTALLED_PREVIOUS = {
     "torch": "2.7.1+cpu",
     "torch_npu": "2.7.1",
     "vllm": "0.11.0",
@@ -49,12 +65,12 @@ def site(tmp_path, versions: dict[str, str], requires: dict[str, list[str]]):
 
 
 def stack_check(tmp_path, monkeypatch, numpy: str, mindspeed: bool = True):
-    versions = {**INSTALLED, "numpy": numpy, **({"mindspeed": "0.12.1"} if mindspeed else {})}
+    versions = {**INSTALLED, "numpy": numpy, **({"mindspeed": "0.16.0"} if mindspeed else {})}
     root = site(tmp_path, versions, {"mindspeed": MINDSPEED_REQUIRES})
     ctx = context(
         tmp_path,
-        sysroot=make_sysroot(tmp_path / "root"),
-        env=SOURCED,
+        sysroot=make_sysroot(tmp_path / "root", cann="9.1.0", layout="cann-8.5"),
+        env=SOURCED_CANN_91,
         runner=recorded("npu-smi-info-8x910B3.txt"),
     )
     monkeypatch.setattr(sys, "path", [str(root)])  # importlib.metadata searches sys.path: only the fake site
@@ -67,7 +83,7 @@ def test_numpy_moved_by_mindspeed_names_the_cause_and_the_fix(tmp_path, monkeypa
     check = stack_check(tmp_path, monkeypatch, "1.26.0")
     assert check.status == "warn" and "\n" not in check.finding
     assert check.finding == (
-        "differs from the gspo-ascend Ascend stack: numpy 1.26.0 (tested 1.26.4; mindspeed 0.12.1 declares "
+        "differs from the gspo-ascend Ascend stack: numpy 1.26.0 (tested 1.26.4; mindspeed 0.16.0 declares "
         "numpy<=1.26.0, which pip applies when mindspeed is installed with its dependencies)"
     )
     assert check.fix.startswith("pip install numpy==1.26.4; install mindspeed with pip install --no-deps")
@@ -93,7 +109,7 @@ def test_without_mindspeed_installed_no_cause_is_invented(tmp_path, monkeypatch)
 def test_requires_dist_lines_are_read_like_pip_writes_them():
     assert packages._requirement("numpy<=1.26.0") == ("numpy", "<=1.26.0")
     assert packages._requirement("numpy (<=1.26.0)") == ("numpy", "<=1.26.0")  # old metadata spelling
-    assert packages._requirement("Torch_NPU==2.7.1; python_version >= '3.9'") == ("torch-npu", "==2.7.1")
+    assert packages._requirement("Torch_NPU==2.10.0.post4; python_version >= '3.9'") == ("torch-npu", "==2.10.0.post4")
     assert packages._requirement("pytest-mock") is None  # no version: nothing to explain
     assert packages._requirement("numpy<2; extra == 'test'") is None  # an extra is not installed by default
     assert packages._requirement("numpy~=1.26") is None  # an operator versions.matches does not read

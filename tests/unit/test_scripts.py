@@ -31,7 +31,7 @@ from gspo_ascend.doctor.hardware import profile
 from gspo_ascend.doctor.modelspec import load_spec
 from gspo_ascend.doctor.planner import plan
 from gspo_ascend.doctor.preflight import failures, preflight
-from gspo_ascend.doctor.versions import matches, normalize_name, release
+from gspo_ascend.doctor.versions import matches, normalize_name
 from tests.conftest import REPO
 
 MODELS = REPO / "tests/fixtures/models"
@@ -359,11 +359,14 @@ def requirement_pins(path: Path) -> dict[str, str]:
 
 def test_requirements_npu_is_the_matrix_stack():
     pins = requirement_pins(REPO / "requirements-npu.txt")
-    (stack,) = [s for s in matrix.STACKS if s.platform == "npu"]
+    stack = next(s for s in matrix.STACKS if s.platform == "npu" and not s.previous)  # the current line
     for package, spec in stack.pins:
         assert package in pins and matches(pins[package], spec), (package, pins.get(package), spec)
-    assert pins["mindspeed"] == "26.1.0" and pins["megatron-core"] == "0.12.1" and pins["transformers"] == "4.57.1"
-    assert pins["vllm-ascend"] == "0.11.0"
+    # the 0.23 line: vllm-ascend 0.23.0's wheel pins torch, torch-npu, triton-ascend and transformers; MindSpeed
+    # core_r0.16.0's setup.py declares 0.16.0 and patches Megatron core_r0.16.0
+    assert pins["mindspeed"] == "0.16.0" and pins["megatron-core"] == "0.16.0" and pins["transformers"] == "5.5.4"
+    assert pins["vllm-ascend"] == "0.23.0" and pins["vllm"] == "0.23.0" and pins["cann"] == "9.1.0"
+    assert pins["torch"] == "2.10.0" and pins["torch-npu"] == "2.10.0.post4" and pins["triton-ascend"] == "3.2.2"
     checks = (
         packages.check_torch_npu_pair(pins)
         + packages.check_vllm_ascend(pins)
@@ -374,20 +377,27 @@ def test_requirements_npu_is_the_matrix_stack():
     )
     assert [(c.name, c.finding) for c in checks if c.status != "ok"] == []
     assert {c.name for c in checks} == {"compat-cann", "compat-vllm-ascend", "compat-mindspeed", "stack"}
+    assert [c.finding for c in checks if c.name == "stack"] == ["matches the gspo-ascend Ascend stack"]
 
 
 def test_requirements_gpu_share_vllm_and_megatron_and_satisfy_the_matrix():
     npu, gpu = requirement_pins(REPO / "requirements-npu.txt"), requirement_pins(REPO / "requirements-gpu.txt")
     for shared in ("vllm", "megatron-core", "mbridge", "ray", "math-verify", "einops"):
         assert gpu[shared] == npu[shared], shared
-    # one transformers line; the NPU side sits at vllm-ascend 0.11.0's ceiling (<=4.57.1), the GPU side has no cap
-    assert release(gpu["transformers"], 2) == release(npu["transformers"], 2) == (4, 57)
-    assert not {"torch-npu", "vllm-ascend", "mindspeed", "cann"} & set(gpu)
+    # one transformers: vllm-ascend 0.23.0 declares ==5.5.4, which vLLM 0.23.0 accepts on GPU too
+    assert gpu["transformers"] == npu["transformers"] == "5.5.4"
+    # one vLLM and one megatron-core line, two torches: vLLM 0.23.0's CUDA wheel declares torch==2.11.0 and
+    # torchvision==0.26.0, vllm-ascend 0.23.0 torch==2.10.0
+    assert (gpu["torch"], gpu["torchvision"], npu["torch"]) == ("2.11.0", "0.26.0", "2.10.0")
+    # megatron-core 0.16.0's dev extra asks for transformer-engine>=2.9,<2.12
+    assert gpu["transformer-engine"] == "2.11.0"
+    assert not {"torch-npu", "vllm-ascend", "mindspeed", "cann", "triton-ascend"} & set(gpu)
     checks = packages.check_known_bad(gpu, "cuda") + packages.check_requirements(gpu, "cuda")
     checks += packages.check_stack(gpu, "cuda")  # empty until the matrix names a CUDA stack; then it must match
     assert [(c.name, c.finding) for c in checks if c.status != "ok"] == []
-    # the rule that makes the pair consistent: vLLM 0.11 CUDA wheels need torch 2.8.0
-    assert packages.check_requirements({**gpu, "torch": "2.7.1"}, "cuda")[0].name == "requires-torch"
+    # the rule that makes the pair consistent: vLLM 0.23 CUDA wheels need torch 2.11.0
+    (wrong,) = packages.check_requirements({**gpu, "torch": npu["torch"]}, "cuda")
+    assert wrong.name == "requires-torch" and "==2.11.0" in wrong.finding
 
 
 def test_requirements_ray_has_the_job_server_extra():
@@ -543,11 +553,11 @@ def test_cpu_script_trains_through_ray_job_submit(tmp_path):
 
 @pytest.mark.parametrize("how", [["--branch", "2.3.0"], ["--branch=master"]])
 def test_check_mindspeed_refuses_an_unknown_branch_in_one_line(how, tmp_path):
-    """Only the two held branches (docs/mindspeed-branches.md); refused before any venv is built."""
+    """Only the three held branches (docs/mindspeed-branches.md); refused before any venv is built."""
     env = {"PATH": os.environ["PATH"], "MINDSPEED_VENV": str(tmp_path / "venv")}
     proc = subprocess.run(
         ["bash", str(REPO / "scripts/check_mindspeed.sh"), *how], capture_output=True, text=True, env=env, timeout=60
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    assert "--branch" in proc.stderr and "26.1.0" in proc.stderr and "2.2.0" in proc.stderr
+    assert "--branch" in proc.stderr and all(b in proc.stderr for b in ("core_r0.16.0", "26.1.0", "2.2.0"))
     assert not (tmp_path / "venv").exists()

@@ -3,25 +3,27 @@
 Each setting of that guide is either part of our NPU runtime environment (``env/npu/``), an opt-in config key, or
 left out with its reason; :data:`SETTINGS` is the table (rendered in docs/install-npu.md, "Performance profile",
 and read by ``gspo-ascend doctor``'s ``npu-profile`` line). The conformance suite
-(tests/conformance/test_npu_profile_conformance.py) holds every "read by" claim to the pinned torch-npu 2.7.1 /
-vllm-ascend 0.11.0 wheels.
+(tests/conformance/test_npu_profile_conformance.py) holds every "read by" claim to the pinned torch-npu 2.10.0.post4 /
+vllm-ascend 0.23.0 / vLLM 0.23.0 wheels.
 
 Rollout graph mode (``rollout.enforce_eager: false``) and its couplings live here too, torch-free:
 
 * :func:`graph_problems` (a config validator: one line, exit 2): the graph keys need graph mode and the vLLM
-  engine; vllm-ascend 0.11.0 supports only PIECEWISE and FULL_DECODE_ONLY on NPU (``platform.py``: FULL falls
-  back to NONE = eager, FULL_AND_PIECEWISE to PIECEWISE, silently); capture sizes within the decode batch one
-  rollout engine runs (a larger size is captured, holds memory and is never replayed).
+  engine; vllm-ascend 0.23.0 runs every mode but NONE on NPU (``platform.py:593-640``: NONE is eager, a mode with
+  piecewise graphs or one with full graphs is run as itself; 0.11.0 ran only PIECEWISE and FULL_DECODE_ONLY);
+  capture sizes within the decode batch one rollout engine runs (a larger size is captured, holds memory and is
+  never replayed).
 * :func:`environment_problems` (at the start of ``train``, on the driver, whose environment is the job's
   runtime_env): ACL graphs need ``TASK_QUEUE_ENABLE=1`` (the guide; level 2 conflicts with ACL graph capture),
   and the vllm-ascend switches' own couplings read from their source.
 
-Why graph mode is allowed for our rollout on vllm-ascend 0.11.0 (read from its source, not run: no NPU here):
+Why graph mode is allowed for our rollout on vllm-ascend 0.23.0 (read from its source, not run: no NPU here):
 sleep level 1 (``device_allocator/camem.py``) unmaps the weights' and KV cache's physical memory and ``wake_up``
 maps new memory at the *same* virtual addresses (``create_and_map(handle)`` with the recorded pointer) and copies
 the weights back; our weight update (``update_weights`` -> ``model.load_weights``) copies into the existing
 parameters (``param.data.copy_``: same storage); with ``VLLM_ASCEND_ENABLE_NZ=0`` (our profile)
-``process_weights_after_loading`` re-lays nothing out. So the addresses captured in an ACL graph keep holding the
+``process_weights_after_loading`` re-lays nothing out (``ops/linear.py:92-98``: ``maybe_trans_nz`` returns the weight
+itself when ``weight_nz_mode`` is 0, ``utils.py:261-298``). So the addresses captured in an ACL graph keep holding the
 current weights. What would break it is a re-allocating update (``param.data = new``), which the CPU test
 tests/integration/test_vllm_graph_weights.py rules out for our update path.
 
@@ -39,10 +41,12 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-# vllm-ascend 0.11.0 platform.py check_and_update_config: the cudagraph modes it runs on NPU. FULL_AND_PIECEWISE is
-# turned into PIECEWISE and any other mode (FULL) into NONE, both without an error.
-NPU_GRAPH_MODES = ("PIECEWISE", "FULL_DECODE_ONLY")
-# vLLM 0.11.0 vllm/config/compilation.py CUDAGraphMode members (what the key may say on CUDA / CPU)
+# vllm-ascend 0.23.0 platform.py check_and_update_config (593-640): the cudagraph modes it runs on NPU. NONE is eager;
+# a mode that requires_piecewise_compilation() (PIECEWISE, FULL_AND_PIECEWISE) or has_full_cudagraphs() (FULL,
+# FULL_DECODE_ONLY, FULL_AND_PIECEWISE; vLLM 0.23.0 config/compilation.py:77-84) is run as itself; only a mode in
+# neither branch would fall back to NONE, and CUDAGraphMode has none. (0.11.0 ran only PIECEWISE and FULL_DECODE_ONLY.)
+NPU_GRAPH_MODES = ("PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+# vLLM 0.23.0 vllm/config/compilation.py:53-63 CUDAGraphMode members (what the key may say on CUDA / CPU)
 GRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 # Where jemalloc's shared library lies on the distributions Ascend supports (Debian/Ubuntu multiarch, RHEL-likes,
@@ -66,32 +70,33 @@ class Setting:
 
 SETTINGS = (
     Setting(
-        "rollout.enforce_eager", "false", "config key (opt-in)", "vLLM 0.11.0 EngineArgs.enforce_eager",
+        "rollout.enforce_eager", "false", "config key (opt-in)", "vLLM 0.23.0 EngineArgs.enforce_eager",
         "ACL graph rollout (+15-20 % rollout in the guide); allowed with sleep / wake-up and weight updates "
         "(module docstring); eager stays the NPU default",
     ),
     Setting(
         "rollout.cudagraph_mode", "FULL_DECODE_ONLY", "config key (opt-in)",
-        "vllm-ascend 0.11.0 platform.py check_and_update_config",
-        "only PIECEWISE and FULL_DECODE_ONLY run on NPU; refused in eager mode",
+        "vllm-ascend 0.23.0 platform.py check_and_update_config",
+        "every mode but NONE runs on NPU (PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE); refused in eager "
+        "mode",
     ),
     Setting(
         "rollout.cudagraph_capture_sizes", "[8 ... 384]", "config key (opt-in)",
-        "vLLM 0.11.0 CompilationConfig.cudagraph_capture_sizes",
+        "vLLM 0.23.0 CompilationConfig.cudagraph_capture_sizes",
         "each size within the sequences one rollout engine decodes at once",
     ),
     Setting(
         "TASK_QUEUE_ENABLE", "1 with ACL graphs, 2 eager", "env/npu/mc2_env.yaml (2) + the vLLM engine's default",
-        "torch_npu 2.7.1 OptionsManager GetTaskQueueEnable", "graph mode refused at train start unless it is 1",
+        "torch_npu 2.10.0.post4 OptionsManager GetTaskQueueEnable", "graph mode refused at train start unless it is 1",
     ),
     Setting(
-        "CPU_AFFINITY_CONF", "1", "env/npu/mc2_env.yaml", "torch_npu 2.7.1 OptionsManager GetCpuAffinityConf",
+        "CPU_AFFINITY_CONF", "1", "env/npu/mc2_env.yaml", "torch_npu 2.10.0.post4 OptionsManager GetCpuAffinityConf",
         "each actor turns 1 into 1,npu0:a-b, its NPU's share of the node's cores (actor_cpu_affinity): 1 alone binds "
         "every one-NPU actor to all cores",
     ),
     Setting(
         "MULTI_STREAM_MEMORY_REUSE", "1", "left out",
-        "torch_npu 2.7.1 OptionsManager GetMultiStreamMemoryReuse (ReuseMode 1 = ERASE_RECORD_STREAM)",
+        "torch_npu 2.10.0.post4 OptionsManager GetMultiStreamMemoryReuse (ReuseMode 1 = ERASE_RECORD_STREAM)",
         "1 is torch_npu's default (OptionsManager.cpp, ../shared/reference/upstream-audit-3.md section 4): setting it "
         "changes nothing",
     ),
@@ -100,23 +105,25 @@ SETTINGS = (
         "host memory of long Ray runs is returned to the OS; doctor says when jemalloc is missing",
     ),
     Setting(
-        "HCCL_OP_EXPANSION_MODE", "AIV", "left out", "CANN HCCL; vllm-ascend 0.11.0 utils.py update_aclgraph_sizes",
+        "HCCL_OP_EXPANSION_MODE", "AIV", "left out",
+        "CANN HCCL; vllm-ascend 0.23.0 only on the A5 (device/device_op.py A5DeviceAdaptor, CCU_SCHED)",
         "A2 documents AIV for inference only and caps HCCL_EXEC_TIMEOUT at 1091 s (ours: 3600); one runtime_env "
         "covers training and rollout processes alike",
     ),
     Setting(
-        "VLLM_ASCEND_ENABLE_FLASHCOMM1", "1", "opt-in", "vllm-ascend 0.11.0 envs.py",
-        "verl's VLLM_ASCEND_ENABLE_FLASHCOMM is 0.11.0's legacy spelling (not in envs.py); needs rollout TP > 1 "
-        "and, with graphs, capture sizes that are multiples of TP",
+        "VLLM_ASCEND_ENABLE_FLASHCOMM1", "1", "opt-in",
+        "vllm-ascend 0.23.0 envs.py (AscendConfig.enable_flashcomm1)",
+        "verl's VLLM_ASCEND_ENABLE_FLASHCOMM is read by nothing of 0.23.0 (0.11.0 kept it as a legacy spelling); "
+        "needs rollout TP > 1 and, with graphs, capture sizes that are multiples of TP",
     ),
     Setting(
-        "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE", "1", "opt-in", "vllm-ascend 0.11.0 envs.py",
-        "replaces vllm-ascend's linear ops; its own comment warns of hidden issues beyond dense models; not run "
-        "against our weight updates on an NPU",
+        "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE", "1", "left out", "nothing of vllm-ascend 0.23.0 (gone from envs.py)",
+        "vllm-ascend 0.23.0 dropped the switch (0.11.0 read it); setting it changes nothing",
     ),
     Setting(
-        "VLLM_ASCEND_ENABLE_PREFETCH_MLP", "1", "opt-in", "vllm-ascend 0.11.0 envs.py",
-        "acts only with DENSE_OPTIMIZE=1 and forwards under 500 tokens (ascend_forward_context.py)",
+        "VLLM_ASCEND_ENABLE_PREFETCH_MLP", "1", "left out", "nothing of vllm-ascend 0.23.0 (gone from envs.py)",
+        "0.23.0's MLP weight prefetch is additional_config weight_prefetch_config (ascend_config.py), which our "
+        "engine does not pass; setting the variable changes nothing",
     ),
 )  # fmt: skip
 
@@ -145,8 +152,9 @@ def decode_batch(cfg, devices: int) -> int:
     return max(cfg.data.train_batch_size * cfg.rollout.n // groups, 1)
 
 
-# vLLM 0.11.0 (vllm-ascend 0.11's line) engine/arg_utils.py `_set_default_args`: the LLM class's max_num_seqs is
-# min(256, max_num_batched_tokens) on a device under 70 GiB (every Atlas A2 NPU: 64 GB); a larger batch never runs
+# vLLM 0.23.0 engine/arg_utils.py `_set_default_max_num_seqs_and_batched_tokens_args` (2326-2335, 2561-2563; 0.11.0's
+# `_set_default_args` said the same): the LLM class's max_num_seqs is min(256, max_num_batched_tokens) on a device
+# under 70 GiB (every Atlas A2 NPU: 64 GB); a larger batch never runs
 NPU_MAX_NUM_SEQS = 256
 
 
@@ -178,7 +186,7 @@ def graph_problems(cfg, devices: int) -> Iterable[str]:
     if r.cudagraph_mode is not None:
         modes = NPU_GRAPH_MODES if cfg.trainer.device == "npu" else GRAPH_MODES
         if r.cudagraph_mode not in modes:
-            why = " (vllm-ascend 0.11.0 turns the others into eager or PIECEWISE)" if modes == NPU_GRAPH_MODES else ""
+            why = " (vllm-ascend 0.23.0 runs NONE eager)" if modes == NPU_GRAPH_MODES else ""
             yield f"config key 'rollout.cudagraph_mode' is '{r.cudagraph_mode}'; use one of {', '.join(modes)}{why}"
     sizes = r.cudagraph_capture_sizes
     if sizes is not None:
@@ -194,7 +202,7 @@ def graph_problems(cfg, devices: int) -> Iterable[str]:
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
     try:
-        return bool(int(env.get(name, "0")))  # vllm-ascend 0.11.0 envs.py: bool(int(os.getenv(name, '0')))
+        return bool(int(env.get(name, "0")))  # vllm-ascend 0.23.0 envs.py:75: bool(int(os.getenv(name, "0")))
     except ValueError:
         return False
 
@@ -209,7 +217,7 @@ def environment_problems(cfg, backend_name: str, env: Mapping[str, str]) -> list
         # trainer.device=auto resolved to the NPU: the config validator could not know
         found.append(
             f"config key 'rollout.cudagraph_mode' is '{r.cudagraph_mode}'; on NPU use one of "
-            f"{', '.join(NPU_GRAPH_MODES)} (vllm-ascend 0.11.0 turns the others into eager or PIECEWISE)"
+            f"{', '.join(NPU_GRAPH_MODES)} (vllm-ascend 0.23.0 runs NONE eager)"
         )
     queue = env.get("TASK_QUEUE_ENABLE")
     if r.enforce_eager is False and queue is not None and queue != "1":
@@ -220,7 +228,7 @@ def environment_problems(cfg, backend_name: str, env: Mapping[str, str]) -> list
         )
     if _flag(env, "VLLM_ASCEND_ENABLE_FLASHCOMM1") and r.tensor_parallel_size < 2:
         found.append(
-            "VLLM_ASCEND_ENABLE_FLASHCOMM1=1 needs rollout.tensor_parallel_size > 1 (vllm-ascend 0.11.0: a "
+            "VLLM_ASCEND_ENABLE_FLASHCOMM1=1 needs rollout.tensor_parallel_size > 1 (vllm-ascend 0.23.0: a "
             "tensor-parallel communication scheme); unset it or raise the rollout TP"
         )
     sizes, tp = r.cudagraph_capture_sizes, r.tensor_parallel_size
@@ -229,13 +237,8 @@ def environment_problems(cfg, backend_name: str, env: Mapping[str, str]) -> list
         if odd:
             found.append(
                 f"config key 'rollout.cudagraph_capture_sizes' has {odd}, not multiples of rollout TP {tp}: with "
-                "VLLM_ASCEND_ENABLE_FLASHCOMM1=1 vllm-ascend 0.11.0 drops them (platform.py); use multiples of TP"
+                "VLLM_ASCEND_ENABLE_FLASHCOMM1=1 vllm-ascend 0.23.0 drops them (platform.py); use multiples of TP"
             )
-    if _flag(env, "VLLM_ASCEND_ENABLE_PREFETCH_MLP") and not _flag(env, "VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE"):
-        found.append(
-            "VLLM_ASCEND_ENABLE_PREFETCH_MLP=1 does nothing without VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE=1 "
-            "(vllm-ascend 0.11.0 ascend_forward_context.py); set both or unset it"
-        )
     return found
 
 

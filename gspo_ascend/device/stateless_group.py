@@ -9,12 +9,17 @@ group are unchanged, and the two pools never need a common global rank numbering
 
 How it relates to upstream:
 
-* vLLM 0.11's ``stateless_init_torch_distributed_process_group`` builds the same object (gloo in
-  ``init_gloo_process_group``, nccl / hccl through ``Platform.stateless_init_device_torch_dist_pg``); it reaches
-  the store through ``rendezvous(tcp://...)`` and uses vLLM's default timeout. We build the ``TCPStore``
-  directly with the caller's timeout and construct each backend the way vLLM (gloo, nccl) and vllm-ascend 0.11
-  (hccl: ``torch_npu._C._distributed_c10d.ProcessGroupHCCL``, no ``_set_default_backend``) do;
-  tests/conformance/test_stateless_group_conformance.py holds all three constructions to the pinned wheels.
+* vLLM 0.23's ``stateless_init_torch_distributed_process_group`` builds the same object (gloo in
+  ``init_gloo_process_group``, nccl through ``Platform.stateless_init_device_torch_dist_pg``); it reaches the
+  store through ``rendezvous(tcp://...)`` and uses vLLM's default timeout. vllm-ascend 0.23 dropped
+  ``NPUPlatform.stateless_init_device_torch_dist_pg`` (0.11 had it) and builds its stateless HCCL group in
+  ``model_loader/netloader/executor/netloader_pg.py:32-151`` (``stateless_init_process_group``). We build the
+  ``TCPStore`` directly with the caller's timeout and construct each backend the way vLLM (gloo, nccl) and
+  vllm-ascend 0.23's netloader (hccl: ``torch_npu._C._distributed_c10d.ProcessGroupHCCL`` with ``group_id`` the
+  store prefix, ``global_ranks_in_group`` empty, and ``_set_default_backend``) do, except that netloader also
+  enters the group in torch.distributed's registry (``_world``, ``_register_process_group``), which we leave out
+  (above); tests/conformance/test_stateless_group_conformance.py holds all three constructions to the pinned
+  wheels.
 * verl's NPU weight sync instead builds vLLM's pure-Python ``StatelessProcessGroup`` (a TCPStore with
   pickled-object collectives) and vllm-ascend's ``PyHcclCommunicator`` on it (ctypes bindings of libhccl). That
   needs vLLM and vllm-ascend importable in the trainer process; a c10d ``ProcessGroup`` needs only torch /
@@ -40,7 +45,7 @@ from typing import Any
 
 from ..errors import DeviceError
 
-_STORE_PREFIX = "gspo_weight_sync"  # keys of this group, should the store ever be shared
+_GROUP_NAME = "gspo_weight_sync"  # the group's name; its store keys and HCCL group_id are under "<tcp uri>/<name>/"
 
 
 def stateless_process_group(
@@ -68,12 +73,25 @@ def stateless_process_group(
     timeout = timedelta(seconds=timeout_s)
     # world_size makes the server wait for every rank: the store doubles as the rendezvous
     store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = PrefixStore(_STORE_PREFIX, store)
+    # vllm-ascend 0.23 netloader_pg.py:97,106: the prefix is f"{init_method}/{group_name}/", init_method the tcp URI
+    prefix = f"{_tcp_uri(host, port)}/{_GROUP_NAME}/"
+    prefixed = PrefixStore(prefix, store)
     if comm_backend == "gloo":
         return _gloo_group(prefixed, rank, world_size, timeout, device)
     if comm_backend == "nccl":
         return _nccl_group(prefixed, rank, world_size, timeout)
-    return _hccl_group(prefixed, rank, world_size, timeout)
+    return _hccl_group(prefixed, rank, world_size, timeout, prefix, _GROUP_NAME)
+
+
+def _tcp_uri(host: str, port: int) -> str:
+    """``tcp://host:port``, an IPv6 host in brackets (vllm-ascend 0.23 netloader_pg.py:81-94 get_tcp_uri)."""
+    import ipaddress
+
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return f"tcp://{host}:{port}"
+    return f"tcp://[{host}]:{port}"
 
 
 def _gloo_group(store, rank: int, size: int, timeout: timedelta, device: Any = None):
@@ -106,12 +124,16 @@ def _nccl_group(store, rank: int, size: int, timeout: timedelta):
     return pg
 
 
-def _hccl_group(store, rank: int, size: int, timeout: timedelta):
-    """Built as vllm-ascend 0.11 builds it (held by the conformance test): ProcessGroupHCCL(store, rank, size,
-    options with _timeout), registered for npu as a CUSTOM backend. No ``_set_default_backend``: vllm-ascend
-    leaves it out, and tensor collectives pick the backend by device type anyway."""
+def _hccl_group(store, rank: int, size: int, timeout: timedelta, prefix: str, name: str):
+    """Built as vllm-ascend 0.23 builds its stateless HCCL group (model_loader/netloader/executor/netloader_pg.py
+    ``stateless_init_process_group``, held by the conformance test): ``_set_default_backend`` of hccl's backend type
+    (:119), Options with ``is_high_priority_stream`` False, ``_timeout``, ``global_ranks_in_group`` [] and
+    ``group_id`` the store prefix (:122-128), ProcessGroupHCCL(store, rank, size, options) (:130), registered for
+    npu as a CUSTOM backend (:132-136), then the group's name and desc (:139-143). Its registry writes (:145-150)
+    are left out: this group stays outside torch.distributed's registry (module docstring)."""
     import torch
     from torch.distributed import ProcessGroup
+    from torch.distributed.distributed_c10d import Backend
 
     from . import detect
 
@@ -124,11 +146,17 @@ def _hccl_group(store, rank: int, size: int, timeout: timedelta):
         raise DeviceError(f"torch_npu has no ProcessGroupHCCL ({exc}); the hccl weight-sync group needs CANN") from exc
 
     pg = ProcessGroup(store, rank, size)
+    pg._set_default_backend(Backend.backend_type_map[Backend("hccl")])  # CUSTOM: torch_npu registers hccl for npu
     options = ProcessGroupHCCL.Options()
+    options.is_high_priority_stream = False
     options._timeout = timeout
+    options.global_ranks_in_group = []
+    options.group_id = prefix
     backend = ProcessGroupHCCL(store, rank, size, options)
     backend._set_sequence_number_for_group()
     pg._register_backend(torch.device("npu"), ProcessGroup.BackendType.CUSTOM, backend)
+    pg._set_group_name(name)
+    pg._set_group_desc("undefined")
     return pg
 
 

@@ -10,7 +10,7 @@ from .check import Check
 # the settings env/npu/mc2_env.yaml places, with the value that counts as in effect
 _RUNTIME_ENV = tuple((s.name, s.value) for s in npu_profile.SETTINGS if s.where == "env/npu/mc2_env.yaml")
 _OPT_IN = tuple(s.name for s in npu_profile.SETTINGS if s.where == "opt-in")
-HELD_VLLM_ASCEND = "0.11.0"  # the release the opt-in switches are held to (conformance suite)
+HELD_VLLM_ASCEND = "0.23.0"  # the release the opt-in switches are held to (conformance suite)
 
 
 def _jemalloc(ctx) -> tuple[str | None, str | None]:

@@ -74,9 +74,13 @@ def platform_env_defaults(backend: Backend, cfg: Config, hf_config: dict[str, An
       ``VLLM_CPU_KVCACHE_SPACE`` in GiB (without it vLLM reserves ``gpu_memory_utilization`` of *host* RAM
       and refuses to start when other processes hold that much).
     * npu (vllm-ascend): ``VLLM_ASCEND_ENABLE_NZ=0`` -- the NZ weight layout breaks in-place weight updates, RL
-      needs it off (verl sets the same); vllm-ascend reads it when the model loads (``envs.py``, ``utils.py``
-      ``is_enable_nz``), so setting it here is in time. Plus :func:`process_start_env` (``TASK_QUEUE_ENABLE``),
-      for vLLM's worker processes that start after this, when the process itself did not start with it.
+      needs it off (verl sets the same). vllm-ascend 0.23 reads it when the engine configures
+      (``AscendConfig.weight_nz_mode``, which ``additional_config["weight_nz_mode"]`` would override; its
+      ``wake_up`` refuses a non-zero mode) and in its own weight-update path (``_check_nz_disabled`` reads the
+      variable itself, so ``additional_config`` alone would not do): the variable satisfies both, and setting
+      it here, before the engine starts, is in time (tests/conformance/test_npu_env_conformance.py). Plus
+      :func:`process_start_env` (``TASK_QUEUE_ENABLE``), for vLLM's worker processes that start after
+      this, when the process itself did not start with it.
     """
     env: dict[str, str] = {}
     if backend.torch_device_type == "cpu":

@@ -1,12 +1,14 @@
 """The side of the ``vllm`` rollout engine that runs inside vLLM's worker processes: :class:`WeightSyncExtension`,
 mixed into vLLM's worker class through ``worker_extension_cls`` (:data:`EXTENSION`, this module's path), whose
 ``gspo_*`` methods the engine calls by name over ``collective_rpc`` (the weight-update protocol and the sampler's
-log-prob mode: :mod:`.vllm_rollout`), and the runtime patches for the CPU builds' MoE kernels it applies after a
-weight update (:func:`_repack_cpu_moe`, :func:`_rebuild_ipex_moe`). Imports vLLM only inside the methods."""
+log-prob mode: :mod:`.vllm_rollout`), and the runtime patches it applies around a weight update: vllm-ascend's MoE
+layout after ``wake_up`` (:func:`_undo_ascend_wake_transpose`) and the CPU builds' MoE kernels (:func:`_repack_cpu_moe`,
+:func:`_rebuild_ipex_moe`). Imports vLLM only inside the methods."""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -41,8 +43,12 @@ class WeightSyncExtension:
             if entry.status == APPLIED:
                 log.info("vllm rollout: patch %s %s: %s", entry.target, entry.status, entry.detail)
             return False
+        model = self.model_runner.get_model()
+        restored = _undo_ascend_wake_transpose(model)
+        if restored:
+            log.info("vllm rollout: put %d MoE expert weights back in vllm-ascend's layout after wake_up", restored)
         with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
+            initialize_layerwise_reload(model)
         self._gspo_layerwise = True
         return True
 
@@ -84,6 +90,34 @@ class WeightSyncExtension:
             getattr(self.model_runner, reset, lambda: None)()
         expected = {name for name, _ in model.named_parameters()}
         return sorted(expected - loaded)
+
+
+def _undo_ascend_wake_transpose(model: torch.nn.Module) -> int:
+    """Runtime patch for vllm-ascend 0.23: undo ``NPUWorker.wake_up``'s transposition of the MoE expert weights
+    before a layerwise reload.
+
+    What: for an unquantized model, ``wake_up`` with the "weights" tag replaces each ``w13_weight`` / ``w2_weight``
+    (vllm-ascend's processed [E, H, 2I] / [E, I, H], contiguous) by a new Parameter holding its ``transpose(1, 2)``
+    view (vllm-ascend worker/worker.py:251-270). The layerwise reload then takes those views as the tensors to copy
+    the processed weights into (vLLM reload/layerwise.py:111, 383): the copy fails on the shape ([E, H, 2I] into
+    [E, 2I, H]), or when H == 2I writes the transpose, and the eager MoE forward would read the views untransposed
+    (``need_trans`` is False, vllm-ascend ops/fused_moe/moe_runtime_args.py:133). Putting back a Parameter on the
+    transposed view restores the processed layout on the same storage (captured graphs stay valid). Gate: a 3-D
+    expert weight that is the transpose of a contiguous tensor (vLLM itself keeps them contiguous), in a process
+    that loaded vllm-ascend; remove when vllm-ascend's wake_up stops transposing. Returns the number restored.
+    """
+    if "vllm_ascend" not in sys.modules:
+        return 0
+    restored = 0
+    for module in model.modules():
+        for attr in ("w13_weight", "w2_weight"):
+            param = module._parameters.get(attr)
+            if param is None or param.dim() != 3 or param.is_contiguous():
+                continue
+            if param.transpose(1, 2).is_contiguous():
+                setattr(module, attr, torch.nn.Parameter(param.transpose(1, 2), requires_grad=False))
+                restored += 1
+    return restored
 
 
 def _repack_cpu_moe(model: torch.nn.Module, loaded: set[str]) -> int:

@@ -1,8 +1,8 @@
 """The shim's MC2 ops (``npu_all_gather_base_mm``, ``npu_mm_reduce_scatter_base``: what MindSpeed's
-``use_ascend_mc2`` linears call) against the torch-npu 2.7.1 wheel and against plain collectives.
+``use_ascend_mc2`` linears call) against the pinned torch-npu wheel (2.10.0.post4) and against plain collectives.
 
 Two gloo ranks, bf16: each op == the collective and the matmul done separately (the fp32 product rounded once);
-output shapes == the wheel's real meta functions; the limits the shim enforces are sentences of 2.7.1's op docs,
+output shapes == the wheel's real meta functions; the limits the shim enforces are sentences of its op docs,
 and each is refused. The engine-level run (MindSpeed's MC2 linears at TP 2 with sequence parallelism, equal to the
 same layout without MC2) is ``tests/mindspeed/test_mindspeed_engine.py``.
 """
@@ -20,7 +20,7 @@ from gspo_ascend.device.shim import npu_mc2_ops
 from gspo_ascend.selftest.launch import free_port
 
 from . import torch_npu_real as real
-from .test_torch_npu_conformance import _op_doc
+from .test_torch_npu_conformance import PINNED, _op_doc
 
 M, K, N = 4, 256, 8  # k = 256: the smallest the kernels take
 
@@ -108,10 +108,10 @@ def test_output_shapes_are_the_real_meta_functions():
                                         "当前仅支持'sum'", "仅支持为2、4、8"]),
     ],
 )  # fmt: skip
-def test_the_limits_are_sentences_of_the_2_7_1_op_docs(op, facts):
+def test_the_limits_are_sentences_of_the_pinned_op_docs(op, facts):
     doc = _op_doc(op)
     for fact in facts:
-        assert fact in doc, f"torch-npu 2.7.1's doc of {op} no longer states {fact!r}; re-derive the shim's limit"
+        assert fact in doc, f"torch-npu {PINNED}'s doc of {op} no longer states {fact!r}; re-derive the shim's limit"
 
 
 def test_what_the_docs_refuse_is_refused(results):

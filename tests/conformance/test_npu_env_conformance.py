@@ -2,9 +2,9 @@
 
 Every variable in ``env/npu/mc2_env.yaml`` (the Ray runtime_env of NPU jobs) and every ``export`` of
 ``env/npu/atlas_800t_a2.sh`` must be read by something of the pinned stack:
-* ``VLLM_ASCEND_*``: a key of vllm-ascend 0.11.0's ``vllm_ascend/envs.py``;
-* other ``VLLM_*``: a key of vLLM 0.11.0's ``vllm/envs.py``;
-* the rest: read by torch-npu 2.7.1 (:func:`torch_npu_reader`: a read site in its Python, or a C++ reader of
+* ``VLLM_ASCEND_*``: a key of vllm-ascend 0.23.0's ``vllm_ascend/envs.py``;
+* other ``VLLM_*``: a key of vLLM 0.23.0's ``vllm/envs.py``;
+* the rest: read by torch-npu 2.10.0.post4 (:func:`torch_npu_reader`: a read site in its Python, or a C++ reader of
   :data:`CXX_READERS`), or one of the variables of the CANN runtime / Ray / gloo listed below with where they
   are documented (CANN is not on a package registry, so those cannot be checked here; the list makes a new one
   a deliberate choice, not a typo).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import re
+import types
 import warnings
 from functools import cache
 
@@ -153,7 +154,7 @@ def torch_npu_reader(name: str) -> str | None:
         return None
     header, reader, documented = CXX_READERS[name]
     root = wheel_root("torch-npu") / "torch_npu"
-    assert reader in (root / "include" / header).read_text(), f"torch-npu 2.7.1's {header} declares no {reader}"
+    assert reader in (root / "include" / header).read_text(), f"the pinned torch-npu's {header} declares no {reader}"
     library = (root / "lib" / "libtorch_npu.so").read_bytes()
     assert b"\0" + name.encode() + b"\0" in library, f"libtorch_npu.so holds no C string {name}"
     return f"{header} {reader} (C++; documented in {documented})"
@@ -175,13 +176,62 @@ def test_every_profile_variable_is_read_by_the_pinned_stack():
     assert not unread, f"set by env/npu but read by nothing of the pinned stack: {unread}"
 
 
+def _method(relpath: str, cls: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse(upstream_file("vllm-ascend", relpath).read_text())
+    owner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _nz_mode(additional_config: dict, environ: dict[str, str]) -> object:
+    """AscendConfig.weight_nz_mode as vllm-ascend 0.23.0 computes it (ascend_config.py:249-254), by running its
+    own ``_get_config_value`` (:354-365) with the env default its envs.py gives (:92)."""
+    fn = _method("vllm_ascend/ascend_config.py", "AscendConfig", "_get_config_value")
+    fn.decorator_list = []
+    namespace: dict = {"os": types.SimpleNamespace(environ=environ), "Any": object}
+    namespace["logger"] = types.SimpleNamespace(info_once=lambda *a, **k: None)
+    exec(compile(ast.Module([fn], []), "ascend_config.py", "exec"), namespace)
+    env_value = int(environ.get("VLLM_ASCEND_ENABLE_NZ", 1))  # envs.py: int(os.getenv("VLLM_ASCEND_ENABLE_NZ", 1))
+    return namespace["_get_config_value"](additional_config, "weight_nz_mode", "VLLM_ASCEND_ENABLE_NZ", env_value)
+
+
 def test_nz_off_is_what_vllm_ascend_needs_for_rl():
-    """vllm-ascend 0.11.0 defaults VLLM_ASCEND_ENABLE_NZ to 1 and its NPUWorker.wake_up refuses to run with it on."""
+    """vllm-ascend 0.23.0 defaults NZ to 1 (envs.py:92) and refuses weight updates with it on, twice:
+    ``NPUWorker.wake_up`` raises when ``AscendConfig.weight_nz_mode`` is non-zero (worker.py:241-247; the mode is
+    ``additional_config["weight_nz_mode"]``, else the variable: ascend_config.py:249-254), and its weight-update
+    path's ``_check_nz_disabled`` reads the *variable* (worker.py:295-301). Our VLLM_ASCEND_ENABLE_NZ=0 (env/npu
+    and the engine's default, vllm_env.platform_env_defaults) with no additional_config satisfies both."""
     envs = upstream_file("vllm-ascend", "vllm_ascend/envs.py").read_text()
-    assert 'os.getenv("VLLM_ASCEND_ENABLE_NZ", 1)' in envs
-    worker = upstream_file("vllm-ascend", "vllm_ascend/worker/worker_v1.py").read_text()
-    assert "Please set VLLM_ASCEND_ENABLE_NZ=0" in worker
+    assert 'int(os.getenv("VLLM_ASCEND_ENABLE_NZ", 1))' in envs
+    config = ast.unparse(_method("vllm_ascend/ascend_config.py", "AscendConfig", "__init__"))
+    assert re.search(r"self\.weight_nz_mode = self\._get_config_value\(additional_config, 'weight_nz_mode', "
+                     r"'VLLM_ASCEND_ENABLE_NZ', ascend_envs\.VLLM_ASCEND_ENABLE_NZ\)", config)  # fmt: skip
+    wake_up = ast.unparse(_method("vllm_ascend/worker/worker.py", "NPUWorker", "wake_up"))
+    assert re.search(
+        r"^    nz_mode = get_ascend_config\(\)\.weight_nz_mode\n    if nz_mode:\n        raise ValueError\(",
+        wake_up,
+        re.M,
+    )
+    check = ast.unparse(_method("vllm_ascend/worker/worker.py", "NPUWorker", "_check_nz_disabled"))
+    assert re.search(r"^    if envs_ascend\.VLLM_ASCEND_ENABLE_NZ:\n        raise ValueError\(", check, re.M)
+    # the upstream rule, run: unset -> 1 (refused); the variable at 0 -> 0; additional_config wins over it
+    assert _nz_mode({}, {}) == 1 and _nz_mode({}, {"VLLM_ASCEND_ENABLE_NZ": "0"}) == 0
+    assert _nz_mode({"weight_nz_mode": 2}, {"VLLM_ASCEND_ENABLE_NZ": "0"}) == 2
+    # ours: the profile and the engine set the variable to 0 ...
     assert profile_vars()["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    assert _engine_env()["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    assert _nz_mode({}, {"VLLM_ASCEND_ENABLE_NZ": _engine_env()["VLLM_ASCEND_ENABLE_NZ"]}) == 0
+    # ... and the engine passes no additional_config that could turn weight_nz_mode back on
+    llm_kwargs = (REPO / "gspo_ascend/engines/vllm_rollout.py").read_text()
+    assert "additional_config" not in llm_kwargs and "weight_nz_mode" not in llm_kwargs
+
+
+def _engine_env() -> dict[str, str]:
+    from gspo_ascend.config import load_config
+    from gspo_ascend.device import NPU
+    from gspo_ascend.engines import vllm_env
+
+    cfg = load_config(overrides=["rollout.engine=vllm"], validate=False)
+    return vllm_env.platform_env_defaults(NPU, cfg, {})  # the real NPU backend (no host KV-cache sizing)
 
 
 def test_allocator_conf_is_what_sleep_mode_accepts():
@@ -189,12 +239,12 @@ def test_allocator_conf_is_what_sleep_mode_accepts():
     camem = upstream_file("vllm-ascend", "vllm_ascend/device_allocator/camem.py").read_text()
     assert 'os.environ.get("PYTORCH_NPU_ALLOC_CONF", "")' in camem and '"expandable_segments:True" not in conf' in camem
     assert "expandable_segments:True" not in profile_vars()["PYTORCH_NPU_ALLOC_CONF"]
-    # torch_npu 2.7.1 reads the NPU name (its Python too: the profiler records it); the generic one it never reads
+    # the pinned torch_npu reads the NPU name (its Python too: the profiler records it); the generic one it never reads
     assert torch_npu_reader("PYTORCH_NPU_ALLOC_CONF") and torch_npu_reader("PYTORCH_ALLOC_CONF") is None
 
 
 def test_a_docstring_mention_is_not_a_read():
-    """``TORCH_NPU_WARN_ONCE`` appears in torch_npu 2.7.1 only in a docstring (testing/testcase.py): a substring
+    """``TORCH_NPU_WARN_ONCE`` appears in the pinned torch_npu only in a docstring (testing/testcase.py): a substring
     search of the wheel finds it, the reader rule must not (issue #25 item 6)."""
     root = wheel_root("torch-npu") / "torch_npu"
     assert "TORCH_NPU_WARN_ONCE" in (root / "testing" / "testcase.py").read_text()

@@ -1,4 +1,5 @@
-"""Our NPU path held to the real torch-npu 2.7.1 wheel (issue #14): schemas, meta registrations, op docs.
+"""Our NPU path held to the real torch-npu 2.10.0.post4 wheel (issue #14, re-pinned by issue #41 from 2.7.1):
+schemas, meta registrations, op docs.
 
 1. Signatures: every op the shim emulates has exactly the Python signature torchgen derives from the op's
    schema in the pinned wheel (names, order, keyword-only, defaults). A mismatch names both places.
@@ -7,8 +8,10 @@
    replayed through the pinned wheel's schema (argument names and types) and its real meta function (its
    checks and output shapes), and the shim's outputs must have the meta's shapes and dtypes.
 3. Refusals: the cases issue #14 found the shim accepting are refused by the real wheel too (schema or meta),
-   so tests/unit/test_shim_torch_npu_limits.py holds the shim to facts of the wheel, not to our reading.
-4. The device module: every ``torch.npu`` function the shim provides exists in torch_npu 2.7.1's ``torch_npu.npu``.
+   so tests/unit/test_shim_torch_npu_limits.py holds the shim to facts of the wheel, not to our reading; what
+   2.10 accepts and the shim does not emulate (its new ``sink`` / ``dropout_mask`` / ``rotate`` arguments, the
+   K-split grouped matmul) the shim refuses with a message saying so.
+4. The device module: every ``torch.npu`` function the shim provides exists in the pinned ``torch_npu.npu``.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ from gspo_ascend.device import shim
 from gspo_ascend.device.shim import npu_module, npu_ops
 
 from . import torch_npu_real as real
-from .upstream import upstream_file
+from .upstream import PINS, upstream_file
 
 SHIM_OPS = tuple(npu_ops.__all__)
+PINNED = PINS["torch-npu"]
 
 
 def _where(op: str) -> str:
-    return f"shim: gspo_ascend/device/shim/npu_ops.py::{op}; torch-npu 2.7.1: {real._YAML} ({op})"
+    return f"shim: gspo_ascend/device/shim/npu_ops.py::{op}; torch-npu {PINNED}: {real._YAML} ({op})"
 
 
 @pytest.mark.parametrize("op", SHIM_OPS)
@@ -41,7 +45,20 @@ def test_shim_signature_is_the_pinned_schema(op):
         (p.name, p.kind == inspect.Parameter.KEYWORD_ONLY, p.default)
         for p in inspect.signature(getattr(npu_ops, op)).parameters.values()
     ]
-    assert got == want, f"signature mismatch ({_where(op)}):\n  shim:  {got}\n  2.7.1: {want}"
+    assert got == want, f"signature mismatch ({_where(op)}):\n  shim:  {got}\n  {PINNED}: {want}"
+
+
+@pytest.mark.parametrize("op", SHIM_OPS)
+def test_shim_dtype_arguments_are_the_schemas(op):
+    """Names and defaults do not show a changed type: 2.10 made npu_grouped_matmul's ``output_dtype`` an ``int?``
+    (torch_npu's dtype enum) where 2.7.1 had ``ScalarType?``. A shim argument annotated ``torch.dtype`` must be a
+    ``ScalarType`` in the schema, and a schema ``ScalarType`` a ``torch.dtype`` in the shim."""
+    params = inspect.signature(getattr(npu_ops, op)).parameters
+    declared = real.declared_types(op)
+    for spelled, (name, _, _) in zip(declared, real.python_params(real.schema(op)), strict=True):
+        schema_dtype = "ScalarType" in spelled
+        shim_dtype = "torch.dtype" in str(params[name].annotation)
+        assert schema_dtype == shim_dtype, f"{op}({name}): schema type {spelled}, shim {params[name].annotation}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -75,13 +92,13 @@ def _signature(op: str) -> inspect.Signature:
 
 
 def _bind(op: str, args: tuple, kwargs: dict) -> tuple[list, dict]:
-    """Bind a call to the 2.7.1 schema the way the dispatcher does: positional args, then keyword-only ones."""
+    """Bind a call to the pinned schema the way the dispatcher does: positional args, then keyword-only ones."""
     schema = real.schema(op)
     bound = _signature(op).bind(*args, **kwargs)  # TypeError names an unknown / missing argument
     bound.apply_defaults()
-    for arg, (name, _, _) in zip(schema.arguments, real.python_params(schema), strict=True):
+    for spelled, (name, _, _) in zip(real.declared_types(op), real.python_params(schema), strict=True):
         value = bound.arguments[name]
-        assert _type_ok(str(arg.type), value), f"{op}: {name}={value!r} is not a {arg.type} ({_where(op)})"
+        assert _type_ok(spelled, value), f"{op}: {name}={value!r} is not a {spelled} ({_where(op)})"
     positional = [bound.arguments[n] for n, kw_only, _ in real.python_params(schema) if not kw_only]
     keywords = {n: bound.arguments[n] for n, kw_only, _ in real.python_params(schema) if kw_only}
     return positional, keywords
@@ -101,7 +118,7 @@ def _flat(result: Any) -> list[Any]:
 
 def _compare(op: str, shim_out: Any, meta_out: Any) -> None:
     got, want = _flat(shim_out), _flat(meta_out)
-    assert len(got) == len(want), f"{op}: shim returns {len(got)} outputs, the 2.7.1 meta {len(want)}"
+    assert len(got) == len(want), f"{op}: shim returns {len(got)} outputs, the {PINNED} meta {len(want)}"
     # npu_fusion_attention's meta builds softmax_max / softmax_sum as [B, N, query.size(2), 8] for every layout
     # (for BSND / TND that is not S); our code reads only the attention output, so only it is compared.
     compared = got[:1] if op == "npu_fusion_attention" else got
@@ -109,7 +126,7 @@ def _compare(op: str, shim_out: Any, meta_out: Any) -> None:
         assert type(g) is type(w) or (isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)), (op, i)
         if isinstance(g, torch.Tensor):
             assert (tuple(g.shape), g.dtype) == (tuple(w.shape), w.dtype), (
-                f"{op} output {i}: shim {tuple(g.shape)} {g.dtype}, 2.7.1 meta {tuple(w.shape)} {w.dtype}"
+                f"{op} output {i}: shim {tuple(g.shape)} {g.dtype}, {PINNED} meta {tuple(w.shape)} {w.dtype}"
             )
 
 
@@ -195,33 +212,98 @@ def test_every_call_passes_the_real_schema_and_meta(recorded_calls):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("op", "argument"),
-    [("npu_fusion_attention", "sink"), ("npu_fusion_attention", "dropout_mask"), ("npu_fusion_attention", "seed"),
-     ("npu_fusion_attention", "offset"), ("npu_rotary_mul", "rotate")],
-)  # fmt: skip
-def test_later_builds_arguments_are_not_in_2_7_1(op, argument):
-    assert argument not in [name for name, *_ in real.python_params(real.schema(op))]
-    with pytest.raises(TypeError, match=argument):
-        _signature(op).bind_partial(**{argument: None})
+# The arguments 2.10 added to the ops we emulate (its yaml; 2.7.1 had none of them) that change the result: the shim
+# refuses them loudly rather than computing without them.
+NOT_EMULATED = [("npu_fusion_attention", "sink"), ("npu_fusion_attention", "dropout_mask"),
+                ("npu_fusion_attention_grad", "sink"), ("npu_rotary_mul", "rotate")]  # fmt: skip
 
 
-def test_2_7_1_meta_refuses_the_k_split_grouped_matmul():
+@pytest.mark.parametrize(("op", "argument"), NOT_EMULATED)
+def test_new_arguments_are_in_the_pin_and_the_shim_refuses_them(op, argument):
+    params = {name: default for name, _, default in real.python_params(real.schema(op))}
+    assert argument in params and params[argument] is None, f"torch-npu {PINNED}'s {op} has no {argument}=None"
+    assert argument in inspect.signature(getattr(npu_ops, op)).parameters  # accepted by name, as the NPU does
+    args = _tiny_call(op)
+    with pytest.raises(ValueError, match=f"{argument}.*not emulated"):
+        getattr(npu_ops, op)(*args, **{argument: torch.zeros(1)})
+
+
+def _tiny_call(op: str) -> tuple:
+    """Positional arguments of a small call each op accepts (BNSD attention, one head)."""
+    q = torch.randn(1, 1, 4, 8)
+    if op == "npu_fusion_attention":
+        return q, q, q, 1, "BNSD"
+    if op == "npu_fusion_attention_grad":
+        return q, q, q, q, 1, "BNSD"
+    return q, torch.ones(1, 1, 4, 8), torch.zeros(1, 1, 4, 8)  # npu_rotary_mul: x, r1 (cos), r2 (sin)
+
+
+def test_dropout_rng_arguments_change_nothing_without_dropout():
+    """2.10's ``seed`` / ``offset`` seed the dropout RNG (its yaml: ``int seed=0, int offset=0``); with dropout off
+    (keep_prob=1, the only value emulated) the real kernel draws nothing, so the shim accepts and ignores them."""
+    params = {name: default for name, _, default in real.python_params(real.schema("npu_fusion_attention"))}
+    assert params["seed"] == 0 and params["offset"] == 0 and params["keep_prob"] == 1.0
+    q = torch.randn(1, 2, 4, 8)
+    plain = npu_ops.npu_fusion_attention(q, q, q, 2, "BNSD", scale=0.3)[0]
+    seeded = npu_ops.npu_fusion_attention(q, q, q, 2, "BNSD", scale=0.3, seed=7, offset=3)[0]
+    assert torch.equal(plain, seeded)
+
+
+def test_fusion_attention_grad_returns_the_pinned_meta_outputs():
+    """2.10's grad returns ``(dq, dk, dv, dpse, dsink)`` (2.7.1: four); without a sink, dsink is an empty fp32."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
+    meta = real.meta_functions()["npu_fusion_attention_grad"](*_to_meta([q, q, q, q]), 2, "BNSD")
+    got = npu_ops.npu_fusion_attention_grad(q, q, q, q, 2, "BNSD")
+    assert len(got) == len(meta) == 5
+    for i in (0, 1, 2, 4):
+        assert (tuple(got[i].shape), got[i].dtype) == (tuple(meta[i].shape), meta[i].dtype), i
+
+
+def test_k_split_grouped_matmul_is_accepted_by_the_pin_and_refused_by_the_shim():
+    """2.10's meta takes ``group_type`` -1, 0 and 2 (2.7.1: -1 and 0); the shim emulates -1 / 0 and refuses the
+    K-split 2 saying so, and both refuse any other group_type."""
+    gmm = real.meta_functions()["npu_grouped_matmul"]
     x, dy = torch.empty(4, 6, device="meta"), torch.empty(6, 3, device="meta")
     counts = torch.empty(2, dtype=torch.int64, device="meta")
-    with pytest.raises(RuntimeError, match="group_type only support -1 and 0"):
-        real.meta_functions()["npu_grouped_matmul"]([x], [dy], group_list=counts, split_item=3, group_type=2)
+    (out,) = gmm([x], [dy], group_list=counts, split_item=3, group_type=2)
+    assert tuple(out.shape) == (2, 4, 3)  # [E, M, N]: one weight gradient per group
+    with pytest.raises(RuntimeError, match="group_type only supports -1, 0 and 2"):
+        gmm([x], [dy], group_list=counts, split_item=3, group_type=1)
+    xs, dys, ends = torch.randn(4, 6), torch.randn(6, 3), torch.tensor([2, 6])
+    with pytest.raises(ValueError, match="group_type=2.*not emulated"):
+        npu_ops.npu_grouped_matmul([xs], [dys], group_list=ends, split_item=3, group_type=2)
+    with pytest.raises(ValueError, match="group_type only supports -1, 0 and 2"):
+        npu_ops.npu_grouped_matmul([xs], [dys], group_list=ends, split_item=3, group_type=1)
+
+
+def test_grouped_matmul_output_dtype_is_the_pinned_int_enum():
+    """2.10 passes ``output_dtype`` as torch_npu's dtype enum (``int?``; meta ``gmm_get_dtype``): 15 = bf16 gives
+    a bf16 result in the meta and the shim, and an unsupported value is refused by both."""
+    gmm = real.meta_functions()["npu_grouped_matmul"]
+    x, w = torch.randn(4, 6), torch.randn(6, 3)
+    (meta,) = gmm([_to_meta(x)], [_to_meta(w)], split_item=3, group_type=-1, output_dtype=15)
+    (got,) = npu_ops.npu_grouped_matmul([x], [w], split_item=3, group_type=-1, output_dtype=15)
+    assert meta.dtype == got.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="not supported"):
+        gmm([_to_meta(x)], [_to_meta(w)], split_item=3, group_type=-1, output_dtype=7)
+    with pytest.raises(ValueError, match="not supported"):
+        npu_ops.npu_grouped_matmul([x], [w], split_item=3, group_type=-1, output_dtype=7)
+    names = [name for name, *_ in real.python_params(real.schema("npu_grouped_matmul"))]
+    spelled = real.declared_types("npu_grouped_matmul")[names.index("output_dtype")]
+    assert spelled == "Optional[int]" and not _type_ok(spelled, torch.bfloat16)
+    with pytest.raises(TypeError, match="output_dtype must be an int"):
+        npu_ops.npu_grouped_matmul([x], [w], split_item=3, group_type=-1, output_dtype=torch.bfloat16)
 
 
 def _op_doc(op: str) -> str:
-    """The docstring torch_npu 2.7.1 attaches to ``torch_npu.<op>`` (``_add_torch_npu_docstr(op, text)`` calls)."""
+    """The docstring the pinned torch_npu attaches to ``torch_npu.<op>`` (``_add_torch_npu_docstr(op, text)`` calls)."""
     tree = ast.parse(upstream_file("torch-npu", "torch_npu/_op_plugin_docs.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_add_torch_npu_docstr":
             name, text = (a.value for a in node.args[:2])
             if name == op:
                 return text
-    raise AssertionError(f"torch-npu 2.7.1 documents no {op}")
+    raise AssertionError(f"torch-npu {PINNED} documents no {op}")
 
 
 @pytest.mark.parametrize(
@@ -235,10 +317,10 @@ def _op_doc(op: str) -> str:
         ("npu_rms_norm", ["数据类型需要和self保持一致"]),
     ],
 )
-def test_the_limits_the_shim_enforces_are_in_the_2_7_1_op_docs(op, facts):
+def test_the_limits_the_shim_enforces_are_in_the_pinned_op_docs(op, facts):
     doc = _op_doc(op)
     for fact in facts:
-        assert fact in doc, f"torch-npu 2.7.1's doc of {op} no longer states {fact!r}; re-derive the shim's limit"
+        assert fact in doc, f"torch-npu {PINNED}'s doc of {op} no longer states {fact!r}; re-derive the shim's limit"
 
 
 def _public_names(relpath: str) -> set[str]:
@@ -257,7 +339,7 @@ def _public_names(relpath: str) -> set[str]:
 
 
 def _torch_npu_npu_names() -> set[str]:
-    """What ``torch_npu.npu`` binds in 2.7.1: its ``__all__``, its explicit relative imports and its star imports
+    """What the pinned ``torch_npu.npu`` binds: its ``__all__``, its explicit relative imports and its star imports
     (``from ._backends import *`` brings ``get_soc_version``: ``_backends`` has no ``__all__``)."""
     tree = ast.parse(upstream_file("torch-npu", "torch_npu/npu/__init__.py").read_text())
     names: set[str] = set()
@@ -273,13 +355,13 @@ def _torch_npu_npu_names() -> set[str]:
 
 
 def test_shim_device_module_is_a_subset_of_torch_npu_npu():
-    """Each torch.npu function the shim provides is one torch_npu 2.7.1's ``torch_npu.npu`` binds."""
+    """Each torch.npu function the shim provides is one the pinned ``torch_npu.npu`` binds."""
     exported = _torch_npu_npu_names()
     assert {"get_soc_version", "Event", "device_count"} <= exported  # star import, explicit import, __all__
     device = npu_module.build_device_module()
     provided = {name for name in dir(device) if not name.startswith("_")}
     extra = sorted(provided - exported - {"streams"})
-    assert not extra, f"shim's torch.npu has {extra}, which torch_npu 2.7.1's torch_npu.npu does not bind"
+    assert not extra, f"shim's torch.npu has {extra}, which torch_npu {PINNED}'s torch_npu.npu does not bind"
     # torch_npu.npu.streams is a submodule; it must exist in the wheel with what the shim gives it
     streams = upstream_file("torch-npu", "torch_npu/npu/streams.py").read_text()
     assert all(f"class {name}(" in streams for name in dir(device.streams) if not name.startswith("_"))

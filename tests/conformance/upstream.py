@@ -23,9 +23,9 @@ import pytest
 
 # The pinned stack (requirements-npu.txt): what the NPU path must conform to.
 PINS = {
-    "torch-npu": "2.7.1",
-    "vllm-ascend": "0.11.0",
-    "vllm": "0.11.0",
+    "torch-npu": "2.10.0.post4",
+    "vllm-ascend": "0.23.0",
+    "vllm": "0.23.0",
 }
 
 

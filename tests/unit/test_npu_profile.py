@@ -28,7 +28,11 @@ def _load(*overrides: str):
     [
         (["rollout.cudagraph_mode=FULL_DECODE_ONLY"], "'rollout.cudagraph_mode' applies only to ACL / CUDA graph"),
         (["rollout.engine=vllm", "rollout.cudagraph_capture_sizes=[8]"], "'rollout.cudagraph_capture_sizes' applies"),
-        ([*GRAPH, "trainer.device=npu", "rollout.cudagraph_mode=FULL"], "use one of PIECEWISE, FULL_DECODE_ONLY"),
+        # vllm-ascend 0.23.0 runs every mode but NONE on NPU (platform.py:593-640)
+        (
+            [*GRAPH, "trainer.device=npu", "rollout.cudagraph_mode=NONE"],
+            "use one of PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE (vllm-ascend 0.23.0 runs NONE eager)",
+        ),
         ([*GRAPH, "rollout.cudagraph_mode=SOMETIMES"], "use one of NONE, PIECEWISE, FULL"),
         ([*GRAPH, "rollout.cudagraph_capture_sizes=[]"], "non-empty list of sizes > 0"),
         ([*GRAPH, "rollout.cudagraph_capture_sizes=[0, 8]"], "non-empty list of sizes > 0"),
@@ -58,7 +62,7 @@ DISAGG = ["--config", "configs/qwen3_30b_a3b_gspo_disagg.yaml"]
 def test_capture_sizes_are_checked_on_the_rollout_pools_engines_and_vllms_own_batch_limit():
     """Audit 3 finding 7: the disaggregated config's 2 engines (a pool of 2 nodes x 2 devices at TP 2) each decode
     128 x 8 / 2 = 512 sequences; the old check divided by the trainer's 12 devices (170) and refused 256. On a 64 GB
-    NPU vLLM 0.11 decodes at most min(256, max_num_batched_tokens) at once (arg_utils.py), so 384 is refused."""
+    NPU vLLM 0.23 decodes at most min(256, max_num_batched_tokens) at once (arg_utils.py), so 384 is refused."""
     from gspo_ascend.config import load_config as load
 
     base = [*GRAPH, "trainer.device=npu", "rollout.cudagraph_mode=FULL_DECODE_ONLY"]
@@ -112,13 +116,8 @@ def test_vllm_engine_hands_the_graph_keys_to_vllm(monkeypatch):
     [
         (GRAPH, {"TASK_QUEUE_ENABLE": "2"}, "needs TASK_QUEUE_ENABLE=1; the environment has 2"),
         (["rollout.engine=vllm"], {"VLLM_ASCEND_ENABLE_FLASHCOMM1": "1"}, "needs rollout.tensor_parallel_size > 1"),
-        (
-            ["rollout.engine=vllm"],
-            {"VLLM_ASCEND_ENABLE_PREFETCH_MLP": "1"},
-            "without VLLM_ASCEND_ENABLE_DENSE_OPTIMIZE",
-        ),
-        # trainer.device=auto (the validator allowed FULL) that resolved to the NPU
-        ([*GRAPH, "rollout.cudagraph_mode=FULL"], {"TASK_QUEUE_ENABLE": "1"}, "on NPU use one of PIECEWISE"),
+        # trainer.device=auto (the validator allowed NONE) that resolved to the NPU
+        ([*GRAPH, "rollout.cudagraph_mode=NONE"], {"TASK_QUEUE_ENABLE": "1"}, "on NPU use one of PIECEWISE, FULL,"),
     ],
 )
 def test_environment_couplings_refused_at_train_start(overrides, env, fragment):
@@ -132,6 +131,13 @@ def test_environment_couplings_refused_at_train_start(overrides, env, fragment):
 def test_environment_couplings_hold_when_met():
     cfg = _load(*GRAPH)
     npu_profile.check_environment(cfg, "npu", {"TASK_QUEUE_ENABLE": "1"})
+    for mode in ("PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):  # all run on NPU (vllm-ascend 0.23.0)
+        npu_profile.check_environment(
+            _load(*GRAPH, f"rollout.cudagraph_mode={mode}"), "npu", {"TASK_QUEUE_ENABLE": "1"}
+        )
+        _load(*GRAPH, "trainer.device=npu", f"rollout.cudagraph_mode={mode}")  # the validator accepts it too
+    # gone from vllm-ascend 0.23.0: setting them is no coupling of ours
+    npu_profile.check_environment(_load("rollout.engine=vllm"), "npu", {"VLLM_ASCEND_ENABLE_PREFETCH_MLP": "1"})
     npu_profile.check_environment(cfg, "npu", {})  # unset: the engine sets 1 for graph mode itself
     npu_profile.check_environment(_load("rollout.engine=vllm"), "npu", {"TASK_QUEUE_ENABLE": "2"})  # eager
 

@@ -70,7 +70,7 @@ def test_grad_equals_autograd_of_the_forward(layout, mask, with_stats):
             stats = {"softmax_max": smax, "softmax_sum": ssum, "attention_in": out}
         grad_kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ not in ("input_layout", "scale")}
         got = npu_ops.npu_fusion_attention_grad(q, k, v, dy, N, layout, scale_value=0.3, **grad_kwargs, **stats)
-    assert len(got) == 4 and got[3].numel() == 0  # (dq, dk, dv, dpse)
+    assert len(got) == 5 and got[3].numel() == 0 and got[4].numel() == 0  # (dq, dk, dv, dpse, dsink): 2.10
     # the forward's softmax statistics are float32 (as on the NPU): the gradient from them is exact to fp32
     # rounding; recomputed (no statistics) it is exact in float64
     tol = 1e-6 if with_stats else 1e-12
@@ -124,7 +124,7 @@ def test_tnd_varlen_grad_equals_autograd(softmax_layout):
 
 def test_bf16_returns_query_dtype_computed_in_fp32():
     q, k, v, dy = (t.to(torch.bfloat16) for t in _inputs(3, "BNSD"))
-    dq, dk, dv, dpse = npu_ops.npu_fusion_attention_grad(q, k, v, dy, N, "BNSD", scale_value=0.3)
+    dq, dk, dv, dpse, _dsink = npu_ops.npu_fusion_attention_grad(q, k, v, dy, N, "BNSD", scale_value=0.3)
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16 and dpse.numel() == 0
     ref = _autograd(*(t.float() for t in (q, k, v, dy)), input_layout="BNSD", scale=0.3)
     assert torch.allclose(dq.float(), ref[0], atol=2e-2, rtol=2e-2)

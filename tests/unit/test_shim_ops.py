@@ -298,7 +298,9 @@ def test_low_precision_inputs_keep_their_dtype(tnpu):
     x, w = torch.randn(5, 3, dtype=torch.bfloat16), torch.randn(2, 3, 4, dtype=torch.bfloat16)
     y = tnpu.npu_grouped_matmul([x], [w], group_list=[2, 3], split_item=2, group_type=0, group_list_type=1)[0]
     assert y.dtype == torch.bfloat16 and y.shape == (5, 4)
-    y32 = tnpu.npu_grouped_matmul([x], [w], group_list=[2, 5], split_item=2, group_type=0, output_dtype=torch.float32)
+    y32 = tnpu.npu_grouped_matmul(
+        [x], [w], group_list=[2, 5], split_item=2, group_type=0, output_dtype=6
+    )  # 6: fp32 (2.10: an int enum)
     assert y32[0].dtype == torch.float32
     torch.testing.assert_close(y32[0][:2], x[:2].float() @ w[0].float())
 

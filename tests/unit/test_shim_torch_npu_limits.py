@@ -1,4 +1,5 @@
-"""The shim refuses what torch_npu 2.7.1 refuses (issue #14, item 2): one test per case the old shim accepted.
+"""The shim refuses what the pinned torch_npu (2.10.0.post4; 2.7.1 before issue #41) refuses (issue #14, item 2): one
+test per case the old shim accepted, and what 2.10 accepts but the shim does not emulate is refused saying so.
 
 Each limit is a fact of the pinned wheel; tests/conformance/test_torch_npu_conformance.py checks each against
 the wheel's schemas, meta registrations and op docs. Here the shim is held to them without the wheel.
@@ -29,12 +30,24 @@ def qkv(b=1, s=4, n=2, d=8, dtype=torch.float32):
     return tuple(torch.randn(b, s, n, d, dtype=dtype) for _ in range(3))
 
 
-@pytest.mark.parametrize("argument", ["sink", "dropout_mask", "seed", "offset"])
-def test_fusion_attention_has_no_later_build_arguments(tnpu, argument):
+@pytest.mark.parametrize("argument", ["sink", "dropout_mask"])
+def test_fusion_attention_refuses_the_new_arguments_it_does_not_emulate(tnpu, argument):
     q, k, v = qkv()
-    value = 0 if argument in ("seed", "offset") else torch.zeros(2)
-    with pytest.raises(TypeError, match=argument):
-        tnpu.npu_fusion_attention(q, k, v, 2, "BSND", **{argument: value})
+    with pytest.raises(ValueError, match=f"{argument}.*not emulated"):
+        tnpu.npu_fusion_attention(q, k, v, 2, "BSND", **{argument: torch.zeros(2)})
+
+
+def test_fusion_attention_takes_the_dropout_seed_and_offset(tnpu):
+    """2.10's seed / offset seed the dropout RNG: without dropout (keep_prob=1) they change nothing."""
+    q, k, v = qkv()
+    plain = tnpu.npu_fusion_attention(q, k, v, 2, "BSND")[0]
+    assert torch.equal(plain, tnpu.npu_fusion_attention(q, k, v, 2, "BSND", seed=5, offset=9)[0])
+
+
+def test_fusion_attention_grad_refuses_a_sink(tnpu):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="sink.*not emulated"):
+        tnpu.npu_fusion_attention_grad(q, k, v, q, 2, "BSND", sink=torch.zeros(2))
 
 
 def test_fusion_attention_limits(tnpu):
@@ -55,9 +68,9 @@ def test_fusion_attention_limits(tnpu):
         tnpu.npu_fusion_attention(t, t, t, 2, "TND", actual_seq_qlen=ends, actual_seq_kvlen=ends)
 
 
-def test_rotary_has_no_rotate_argument(tnpu):
+def test_rotary_refuses_a_rotate_matrix(tnpu):
     x = torch.randn(1, 2, 3, 4)
-    with pytest.raises(TypeError, match="rotate"):
+    with pytest.raises(ValueError, match="rotate.*not emulated"):
         tnpu.npu_rotary_mul(x, x, x, rotate=torch.eye(4))
 
 
@@ -92,10 +105,24 @@ def test_rotary_cos_sin_must_broadcast_as_documented(tnpu):
 
 
 def test_grouped_matmul_refuses_the_k_split(tnpu):
+    """2.10 accepts group_type=2 (K-split), which the shim does not emulate; 1 is refused by both."""
     x, dy = torch.randn(4, 6), torch.randn(6, 3)
     counts = torch.tensor([2, 4])
-    with pytest.raises(ValueError, match="group_type only support -1 and 0"):
+    with pytest.raises(ValueError, match="group_type=2 .*not emulated"):
         tnpu.npu_grouped_matmul([x], [dy], group_list=counts, split_item=3, group_type=2, group_list_type=1)
+    with pytest.raises(ValueError, match="group_type only supports -1, 0 and 2"):
+        tnpu.npu_grouped_matmul([x], [dy], group_list=counts, split_item=3, group_type=1, group_list_type=1)
+
+
+def test_grouped_matmul_output_dtype_is_torch_npus_int_enum(tnpu):
+    """2.10's schema: ``int? output_dtype`` (was ScalarType?): 6 = fp32, a torch.dtype is a TypeError."""
+    x, w = torch.randn(5, 3, dtype=BF16), torch.randn(2, 3, 4, dtype=BF16)
+    (y,) = tnpu.npu_grouped_matmul([x], [w], group_list=[2, 5], split_item=2, group_type=0, output_dtype=6)
+    assert y.dtype == torch.float32
+    with pytest.raises(TypeError, match="output_dtype must be an int"):
+        tnpu.npu_grouped_matmul([x], [w], group_list=[2, 5], split_item=2, group_type=0, output_dtype=torch.float32)
+    with pytest.raises(ValueError, match="int32.*not emulated"):
+        tnpu.npu_grouped_matmul([x], [w], group_list=[2, 5], split_item=2, group_type=0, output_dtype=3)
 
 
 def test_grouped_matmul_group_list_is_int64(tnpu):

@@ -1,4 +1,4 @@
-"""CPU references of torch_npu 2.7.1's ``npu_fusion_attention`` and ``npu_fusion_attention_grad``.
+"""CPU references of torch_npu 2.10.0.post4's ``npu_fusion_attention`` and ``npu_fusion_attention_grad``.
 
 Part of the shim's op references (:mod:`.npu_ops`, which exports them and states how the emulation differs from
 the hardware); a module of its own because the two attention ops are half of all the reference code.
@@ -216,7 +216,7 @@ def _fusion_attention_varlen(query, key, value, head_num, atten_mask, scale, pre
     return torch.cat(outs, 0), torch.cat(maxes, 1), torch.cat(sums, 1)
 
 
-# torch_npu 2.7.1's npu_fusion_attention limits (op docs, 约束说明): head dim 1-768 with Dq = Dk >= Dv, Nq 1-256,
+# torch_npu 2.10.0.post4's npu_fusion_attention limits (op docs, 约束说明): head dim 1-768 with Dq = Dk >= Dv, Nq 1-256,
 # B up to 2M (2K in varlen), at most 1K sequences in a varlen (TND) call, T = B*S up to 1M.
 _FA_MAX_HEAD_DIM = 768
 _FA_MAX_HEADS = 256
@@ -234,7 +234,7 @@ def _check_fusion_attention_limits(query, key, value, head_num, input_layout, at
     if atten_mask is not None:
         _check_dtype(op, "atten_mask", atten_mask, (torch.bool, torch.uint8))
     if not 1 <= head_num <= _FA_MAX_HEADS:
-        raise ValueError(f"{op}: head_num must be 1-{_FA_MAX_HEADS} in torch_npu 2.7.1, got {head_num}")
+        raise ValueError(f"{op}: head_num must be 1-{_FA_MAX_HEADS}, got {head_num}")
     if input_layout == "TND":
         n_seq = len(_as_int_list(seq_q))
         if n_seq > _FA_MAX_VARLEN_SEQS:
@@ -243,7 +243,9 @@ def _check_fusion_attention_limits(query, key, value, head_num, input_layout, at
             raise ValueError(f"{op}: TND takes at most {_FA_MAX_TOKENS} tokens, got {query.shape[0]}")
 
 
-def _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob):
+def _check_fusion_attention_args(
+    query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, sink=None, dropout_mask=None
+):
     if input_layout not in _FA_LAYOUTS:
         raise ValueError(f"npu_fusion_attention: input_layout must be one of {_FA_LAYOUTS}, got {input_layout!r}")
     if keep_prob != 1.0:
@@ -254,6 +256,10 @@ def _check_fusion_attention_args(query, key, value, head_num, input_layout, pse,
         raise ValueError("npu_fusion_attention: pse (positional bias) is not emulated on the CPU shim")
     if padding_mask is not None:
         raise ValueError("npu_fusion_attention: padding_mask is not supported (torch_npu documents it as unsupported)")
+    if sink is not None:
+        raise ValueError("npu_fusion_attention: sink (attention-sink logits) is not emulated on the CPU shim")
+    if dropout_mask is not None:
+        raise ValueError("npu_fusion_attention: dropout_mask (dropout) is not emulated on the CPU shim")
     if input_layout not in ("BSH", "SBH") and key.shape[:-1] != value.shape[:-1]:
         raise ValueError(f"npu_fusion_attention: key {tuple(key.shape)} and value {tuple(value.shape)} disagree")
     nkv, d, dv = _head_dims(query, key, value, head_num, input_layout)
@@ -262,7 +268,7 @@ def _check_fusion_attention_args(query, key, value, head_num, input_layout, pse,
     if dv > d:
         raise ValueError(f"npu_fusion_attention: value head dim {dv} exceeds query/key head dim {d} (needs Dk >= Dv)")
     if not 1 <= d <= _FA_MAX_HEAD_DIM:
-        raise ValueError(f"npu_fusion_attention: head dim must be 1-{_FA_MAX_HEAD_DIM} in torch_npu 2.7.1, got {d}")
+        raise ValueError(f"npu_fusion_attention: head dim must be 1-{_FA_MAX_HEAD_DIM} in torch_npu, got {d}")
     return nkv
 
 
@@ -292,6 +298,10 @@ def npu_fusion_attention(
     gen_mask_parallel: bool = True,
     sync: bool = False,
     softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
 ):
     """Fused attention ``Dropout(Softmax(Mask(scale * (pse + Q K^T))), keep_prob) V`` (torch_npu semantics).
 
@@ -313,20 +323,25 @@ def npu_fusion_attention(
     ``actual_seq_qlen``/``actual_seq_kvlen`` ends without a leading 0 (lengths [2, 2, 2] -> [2, 4, 6]);
     trailing zeros skip batches. GQA: N / Nkv must be an integer; KV heads are repeat_interleave'd.
 
-    torch_npu 2.7.1's limits, enforced: q/k/v one dtype of fp16 / bf16 / fp32; mask bool or uint8; head dim
-    1-768 with Dk >= Dv; 1-256 query heads; TND with at most 1024 sequences and 1M tokens. 2.7.1 has no
-    ``sink``, ``dropout_mask``, ``seed`` or ``offset`` argument (later builds add them): passing one is a
-    TypeError, as on the NPU.
+    torch_npu's limits (its 2.10.0.post4 op docs), enforced: q/k/v one dtype of fp16 / bf16 / fp32; mask bool or
+    uint8; head dim 1-768 with Dk >= Dv; 1-256 query heads; TND with at most 1024 sequences and 1M tokens.
 
-    Emulation differences: dropout (``keep_prob != 1``), ``pse`` and sparse modes 5-8 raise
-    ``ValueError``. Fully masked query rows give 0 (undocumented on the NPU). ``softmax_max``/``softmax_sum``
+    2.10 added four trailing arguments (its schema; 2.7.1 had none of them): ``sink`` (per-head attention-sink
+    logits) and ``dropout_mask`` (a caller-made dropout mask) are not emulated and raise ``ValueError`` when
+    given; ``seed`` / ``offset`` seed the dropout RNG, so with dropout off (``keep_prob=1``, the only value
+    emulated) they change nothing on the NPU either, and are accepted and ignored.
+
+    Emulation differences: dropout (``keep_prob != 1``), ``pse``, ``sink``, ``dropout_mask`` and sparse modes
+    5-8 raise ``ValueError``. Fully masked query rows give 0 (undocumented on the NPU). ``softmax_max``/``softmax_sum``
     are detached (the NPU backward kernel consumes them, autograd here does not need them); for TND with the
     default ``softmax_layout=""`` they are returned in the documented [T, N, 8] shape but with the documented
     NTD storage order (a reshape of [N, T, 8]), exactly as the NPU does; ``softmax_layout="TND"`` gives a true
     [T, N, 8]. ``softmax_out`` is an empty reserved tensor; ``seed``, ``offset`` and ``numels`` are 0 (the dropout RNG
     state the NPU returns; no dropout here).
     """
-    nkv = _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob)
+    nkv = _check_fusion_attention_args(
+        query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, sink, dropout_mask
+    )
     _check_fusion_attention_limits(query, key, value, head_num, input_layout, atten_mask, actual_seq_qlen)
     if input_layout == "TND":
         out, smax, ssum = _fusion_attention_varlen(
@@ -434,10 +449,13 @@ def npu_fusion_attention_grad(
     gen_mask_parallel: bool = True,
     sync: bool = False,
     softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
 ):
-    """Backward of :func:`npu_fusion_attention` (torch_npu semantics): ``(dq, dk, dv, dpse)`` for the cotangent
-    ``dy`` of its output, in the layouts of ``query`` / ``key`` / ``value`` and in query's dtype (2.7.1's meta
-    registration); ``dpse`` is an empty tensor (no ``pse``).
+    """Backward of :func:`npu_fusion_attention` (torch_npu semantics): ``(dq, dk, dv, dpse, dsink)`` for the
+    cotangent ``dy`` of its output, dq / dk / dv in the layouts of ``query`` / ``key`` / ``value`` and in query's
+    dtype (2.10.0.post4's meta registration, ``_meta_registrations.py:2211-2226``, which added ``dsink`` to 2.7.1's
+    four outputs); ``dpse`` is an empty tensor (no ``pse``) and ``dsink`` the empty fp32 tensor the meta gives
+    without a ``sink``. ``sink`` itself (2.10's keyword) is not emulated and raises ``ValueError``.
 
     The arguments mean what they mean for the forward (same layouts, masks, ``sparse_mode`` keep rules,
     ``scale_value`` = the forward's ``scale``). ``softmax_max`` / ``softmax_sum`` / ``attention_in`` are the
@@ -450,7 +468,7 @@ def npu_fusion_attention_grad(
     ``numels`` are its RNG state), ``pse`` and sparse modes 5-8 raise; ``softmax_in``, ``inner_precise``,
     ``prefix``, ``gen_mask_parallel`` and ``sync`` change nothing here. Computed in fp32 for fp16 / bf16 inputs.
     """
-    nkv = _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob)
+    nkv = _check_fusion_attention_args(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, sink)
     _check_fusion_attention_limits(query, key, value, head_num, input_layout, atten_mask, actual_seq_qlen)
     _check_dtype("npu_fusion_attention_grad", "dy", dy)
     stats = [_stat_bnsd(t, input_layout, softmax_layout, head_num) for t in (softmax_max, softmax_sum)]
@@ -473,7 +491,8 @@ def npu_fusion_attention_grad(
         )
         dq, dk, dv = _from_bnsd(dq, input_layout), _from_bnsd(dk, input_layout), _from_bnsd(dv, input_layout)
     dtype = query.dtype
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype), query.new_empty(0)
+    dsink = torch.empty(0, device=query.device)  # the meta's ``torch.empty([0])``: fp32 whatever query is
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), query.new_empty(0), dsink
 
 
 def _fusion_attention_grad_varlen(query, key, value, dy, atten_mask, scale, pre, nxt, seq_q, seq_kv, sparse_mode,

@@ -1,4 +1,4 @@
-"""CPU references of torch_npu 2.7.1's MC2 ops (a matmul fused with the tensor-parallel collective) and the HCCL
+"""CPU references of torch_npu 2.10.0.post4's MC2 ops (a matmul fused with the tensor-parallel collective) and the HCCL
 communicator names they address.
 
 MindSpeed's ``use_ascend_mc2`` (``core/tensor_parallel/mc2_feature/linear_function.py``) replaces megatron's
@@ -14,7 +14,7 @@ How the emulation differs from the hardware:
   partial products (the kernel's accumulation order is not documented, so results agree to rounding).
 * Quantisation (``x1_scale``, ``x2_scale``, ``output_dtype``, int8) is not emulated and raises; the NZ format and
   ``comm_mode`` only steer the hardware and are accepted.
-* The limits are torch-npu 2.7.1's op docs (``_op_plugin_docs.py``): fp16 / bf16 (int8 quantised) 2-D inputs
+* The limits are torch-npu 2.10.0.post4's op docs (``_op_plugin_docs.py``): fp16 / bf16 (int8 quantised) 2-D inputs
   only (no fp32: MC2 needs a half-precision model), ``k`` in [256, 65535), ``world_size`` 2, 4 or 8,
   ``gather_index`` and ``comm_turn`` 0, no non-zero ``bias``, ``reduce_op`` 'sum', a reduce-scatter's ``m``
   divisible by ``world_size``, and an untransposed ``input``. Output shapes are the meta registrations'.
@@ -61,7 +61,7 @@ def _group(op: str, hcom: str, world_size: int) -> Any:
     if group is None:
         raise ValueError(f"{op}: hcom {hcom!r} names no communicator (get it from get_hccl_comm_name)")
     if world_size not in _WORLD_SIZES:
-        raise ValueError(f"{op}: world_size must be 2, 4 or 8 in torch_npu 2.7.1, got {world_size}")
+        raise ValueError(f"{op}: world_size must be 2, 4 or 8 in torch_npu 2.10.0.post4, got {world_size}")
     if dist.get_world_size(group) != world_size:
         raise ValueError(f"{op}: world_size {world_size} is not the size of communicator {hcom}")
     return group
@@ -76,14 +76,14 @@ def _check_operands(op: str, input: torch.Tensor, x2: torch.Tensor, bias: Any, e
     _check_dims(op, "input", input, 2, 2)
     _check_dims(op, "x2", x2, 2, 2)
     if not input.is_contiguous():
-        raise ValueError(f"{op}: input must not be a transposed tensor in torch_npu 2.7.1 (x2 may be)")
+        raise ValueError(f"{op}: input must not be a transposed tensor in torch_npu 2.10.0.post4 (x2 may be)")
     k = input.shape[1]
     if x2.shape[0] != k or not _K_RANGE[0] <= k < _K_RANGE[1]:
         raise ValueError(
-            f"{op}: input {tuple(input.shape)} @ x2 {tuple(x2.shape)} needs equal k in [256, 65535) in torch_npu 2.7.1"
+            f"{op}: input {tuple(input.shape)} @ x2 {tuple(x2.shape)} needs equal k in [256, 65535) in torch_npu"
         )
     if bias is not None and bool(bias.ne(0).any()):
-        raise ValueError(f"{op}: a non-zero bias is not supported in torch_npu 2.7.1")
+        raise ValueError(f"{op}: a non-zero bias is not supported in torch_npu 2.10.0.post4")
 
 
 def npu_all_gather_base_mm(
@@ -106,7 +106,7 @@ def npu_all_gather_base_mm(
     op = "npu_all_gather_base_mm"
     _check_operands(op, input, x2, bias, {"x1_scale": x1_scale, "x2_scale": x2_scale, "output_dtype": output_dtype})
     if gather_index != 0 or comm_turn != 0:
-        raise ValueError(f"{op}: gather_index and comm_turn must be 0 in torch_npu 2.7.1")
+        raise ValueError(f"{op}: gather_index and comm_turn must be 0 in torch_npu 2.10.0.post4")
     group = _group(op, hcom, world_size)
     gathered = input.new_empty((input.shape[0] * world_size, input.shape[1]))
     dist.all_gather_into_tensor(gathered, input, group=group)
@@ -133,10 +133,12 @@ def npu_mm_reduce_scatter_base(
     op = "npu_mm_reduce_scatter_base"
     _check_operands(op, input, x2, bias, {"x1_scale": x1_scale, "x2_scale": x2_scale, "output_dtype": output_dtype})
     if reduce_op != "sum" or comm_turn != 0:
-        raise ValueError(f"{op}: reduce_op must be 'sum' and comm_turn 0 in torch_npu 2.7.1")
+        raise ValueError(f"{op}: reduce_op must be 'sum' and comm_turn 0 in torch_npu 2.10.0.post4")
     group = _group(op, hcom, world_size)
     if input.shape[0] % world_size:
-        raise ValueError(f"{op}: m ({input.shape[0]}) must be divisible by world_size {world_size} in torch_npu 2.7.1")
+        raise ValueError(
+            f"{op}: m ({input.shape[0]}) must be divisible by world_size {world_size} in torch_npu 2.10.0.post4"
+        )
     full = input.float() @ x2.float()
     out = full.new_empty((input.shape[0] // world_size, x2.shape[1]))
     dist.reduce_scatter_tensor(out, full, group=group)

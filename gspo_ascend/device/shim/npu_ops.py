@@ -15,14 +15,14 @@ How the emulation differs from the hardware, for every op:
   are accepted and ignored; arguments whose semantics are not emulated (dropout, ``pse``, quantisation)
   raise ``ValueError`` rather than silently computing something else.
 
-Conformance to the pinned torch-npu 2.7.1 (issue #14): every signature here is the Python signature torchgen
-derives from the op's schema in the 2.7.1 wheel (``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``;
-``Tensor self`` becomes ``input``), and the ops refuse what 2.7.1 refuses: the checks of its meta registrations
-(``op_plugin/meta/_meta_registrations.py``) and the dtype / shape limits its op docs state
-(``_op_plugin_docs.py``), each cited where it is enforced. ``tests/conformance/`` downloads the wheel and
-checks both against it, and replays every call our code makes through the real meta functions. The one
-deliberate widening is float64, which no NPU kernel takes: :func:`float64_reference` admits it for exact
-gradient checks in tests.
+Conformance to the pinned torch-npu 2.10.0.post4 (issue #14; 2.7.1 before issue #41): every signature here is the
+Python signature torchgen derives from the op's schema in the 2.10.0.post4 wheel
+(``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``; ``Tensor self`` becomes ``input``), and the ops
+refuse what it refuses: the checks of its meta registrations (``op_plugin/meta/_meta_registrations.py``) and the
+dtype / shape limits its op docs state (``_op_plugin_docs.py``), each cited where it is enforced.
+``tests/conformance/`` downloads the wheel and checks both against it, and replays every call our code makes through
+the real meta functions. The one deliberate widening is float64, which no NPU kernel takes:
+:func:`float64_reference` admits it for exact gradient checks in tests.
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ def npu_rms_norm(input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
     """RMSNorm: ``y = x * rsqrt(mean(x^2) + eps) * gamma`` over the trailing ``gamma.dim()`` dims.
 
     torch_npu returns a tuple ``(y, rstd)``: ``y`` has the dtype and shape of ``x``; ``rstd`` is float32 with
-    shape ``x.shape[:x.dim()-gamma.dim()] + [1]*gamma.dim()`` (keepdim, as the 2.7.1 meta registration builds
+    shape ``x.shape[:x.dim()-gamma.dim()] + [1]*gamma.dim()`` (keepdim, as the meta registration builds
     it). The arithmetic is fp32 (as in torch_npu's inductor decomposition).
 
-    2.7.1's limits (op docs): x is fp16 / bf16 / fp32 and 2-D to 8-D; gamma has x's dtype ("数据类型需要和self
+    torch_npu's limits (op docs): x is fp16 / bf16 / fp32 and 2-D to 8-D; gamma has x's dtype ("数据类型需要和self
     保持一致"), so a caller with bf16 activations casts an fp32 weight first.
 
     Emulation difference: ``rstd`` is returned detached. On the NPU it is a saved activation consumed by
@@ -77,7 +77,9 @@ def npu_rms_norm(input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
     _check_dtype("npu_rms_norm", "input", x)
     _check_dims("npu_rms_norm", "input", x, 2, 8)
     if gamma.dtype != x.dtype:
-        raise ValueError(f"npu_rms_norm: gamma dtype {gamma.dtype} must equal the input's {x.dtype} (torch_npu 2.7.1)")
+        raise ValueError(
+            f"npu_rms_norm: gamma dtype {gamma.dtype} must equal the input's {x.dtype} (torch_npu 2.10.0.post4)"
+        )
     if gamma.dim() < 1 or tuple(x.shape[x.dim() - gamma.dim() :]) != tuple(gamma.shape):
         raise ValueError(
             f"npu_rms_norm: gamma shape {tuple(gamma.shape)} must match the trailing dims of x {tuple(x.shape)}"
@@ -101,7 +103,7 @@ def _rotate_interleave(x: torch.Tensor) -> torch.Tensor:
 
 
 # Layouts npu_rotary_mul takes (4-D only), as (B axis, N axis, S axis), and the r1/r2 shapes allowed for each in
-# half mode: 'S' = x's S, 'D' = x's D, 'B'/'N' = x's B/N, '1' = 1 (2.7.1 op docs, 约束说明, jit_compile=False).
+# half mode: 'S' = x's S, 'D' = x's D, 'B'/'N' = x's B/N, '1' = 1 (op docs, 约束说明, jit_compile=False).
 _ROTARY_LAYOUTS = {"BNSD": (0, 1, 2), "BSND": (0, 2, 1), "SBND": (1, 2, 0)}
 _ROTARY_R_SHAPES = {
     "half": {"BNSD": ("11SD", "B1SD", "BNSD"), "BSND": ("1S1D", "BS1D", "BSND"), "SBND": ("S11D", "SB1D", "SBND")},
@@ -120,16 +122,16 @@ def _rotary_layouts(x: torch.Tensor, r: torch.Tensor, mode: str) -> list[tuple[i
 
 
 def _check_rotary(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> None:
-    """torch_npu 2.7.1's limits for npu_rotary_mul (op docs, jit_compile=False, the default on A2)."""
+    """torch_npu 2.10.0.post4's limits for npu_rotary_mul (op docs, jit_compile=False, the default on A2)."""
     op = "npu_rotary_mul"
     if mode not in _ROTARY_R_SHAPES:
-        raise ValueError(f"{op}: rotary_mode must be 'half' or 'interleave' in torch_npu 2.7.1, got {mode!r}")
+        raise ValueError(f"{op}: rotary_mode must be 'half' or 'interleave' in torch_npu 2.10.0.post4, got {mode!r}")
     for name, t in (("input", x), ("r1", r1), ("r2", r2)):
         _check_dtype(op, name, t)
         _check_dims(op, name, t, 4, 4)
     d = x.shape[-1]
     if d % 2 or d >= 896:
-        raise ValueError(f"{op}: the head dim D must be even and < 896 in torch_npu 2.7.1, got {d}")
+        raise ValueError(f"{op}: the head dim D must be even and < 896 in torch_npu 2.10.0.post4, got {d}")
     if r1.shape != r2.shape:
         raise ValueError(f"{op}: r1 {tuple(r1.shape)} and r2 {tuple(r2.shape)} must have one shape")
     layouts = _rotary_layouts(x, r1, mode)
@@ -143,7 +145,7 @@ def _check_rotary(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str
     else:
         ok, limit = [(b, n) for b, n in layouts if b * n < 1000], "B*N < 1000"
     if not ok:
-        raise ValueError(f"{op}: x {tuple(x.shape)} breaks torch_npu 2.7.1's {mode}-mode limit {limit}")
+        raise ValueError(f"{op}: x {tuple(x.shape)} breaks torch_npu's {mode}-mode limit {limit}")
 
 
 def npu_rotary_mul(
@@ -151,20 +153,24 @@ def npu_rotary_mul(
     r1: torch.Tensor,
     r2: torch.Tensor,
     rotary_mode: str = "half",
+    rotate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotary position embedding: ``out = x * r1 + rotate(x) * r2`` (r1 = cos, r2 = sin).
 
     * ``rotary_mode='half'``: ``rotate(x) = cat(-x2, x1)`` with ``x1, x2 = chunk(x, 2, -1)`` (HF rotate_half).
     * ``rotary_mode='interleave'``: ``rotate(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``.
 
-    torch_npu 2.7.1's limits, enforced: x, r1, r2 are 4-D fp16 / bf16 / fp32 (BNSD, BSND or SBND); D even and
+    torch_npu 2.10.0.post4's limits, enforced: x, r1, r2 are 4-D fp16 / bf16 / fp32 (BNSD, BSND or SBND); D even and
     < 896; r1/r2 broadcast as the docs list per layout (half: 11SD / B1SD / BNSD for BNSD, ...; interleave:
     11SD / 1S1D / S11D only); half mode needs B, N < 1000 and B*N <= 1024 when r1/r2 need gradients;
-    interleave needs B*N < 1000. (Later builds add a ``rotate`` matrix argument and 3-D inputs; 2.7.1 has
-    neither.) The output has the shape and dtype of ``x``.
+    interleave needs B*N < 1000. The output has the shape and dtype of ``x``.
 
-    Emulation difference: the hardware requires r1/r2 in [-1, 1] (true of cos / sin); that is not checked.
+    Emulation differences: the hardware requires r1/r2 in [-1, 1] (true of cos / sin); that is not checked.
+    2.10's ``rotate`` (a caller-given rotation matrix replacing the fixed rotate-half / interleave; its schema
+    ``Tensor? rotate=None``) is not emulated and raises ``ValueError`` when given.
     """
+    if rotate is not None:
+        raise ValueError("npu_rotary_mul: rotate (a rotation matrix) is not emulated on the CPU shim")
     x = input  # [B, N, S, D] (or BSND / SBND)
     _check_rotary(x, r1, r2, rotary_mode)
     cdt = _compute_dtype(x.dtype)
@@ -177,7 +183,7 @@ def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:  # input: to
     """SwiGLU: ``a, b = chunk(x, 2, dim); out = silu(a) * b``. The first half is the gate.
 
     The output is half the size of ``x`` along ``dim`` (verl passes ``cat(gate_proj, up_proj)``). Computed in
-    fp32 and cast back to ``x``'s dtype. 2.7.1 (op docs): x is 1-D to 8-D, fp32 / fp16 / bf16.
+    fp32 and cast back to ``x``'s dtype. torch_npu (op docs): x is 1-D to 8-D, fp32 / fp16 / bf16.
     """
     x = input  # [..., 2*I, ...] along dim
     _check_dtype("npu_swiglu", "input", x)
@@ -197,14 +203,14 @@ def npu_top_k_top_p(logits: torch.Tensor, p: torch.Tensor | None = None, k: torc
     permutation is meant, as in vLLM's ``apply_top_k_top_p`` that this op replaces). vllm-ascend's sampler calls
     it on 910B for rollout top-k / top-p.
 
-    torch_npu 2.7.1's limits (op docs), enforced: logits 2-D fp16 / bf16 / fp32; p in logits' dtype, 1-D of
+    torch_npu 2.10.0.post4's limits (op docs), enforced: logits 2-D fp16 / bf16 / fp32; p in logits' dtype, 1-D of
     length B; k int32, 1-D of length B, values in [1, 1024] and <= V; p and k not both None.
     """
     op = "npu_top_k_top_p"
     _check_dtype(op, "logits", logits)
     _check_dims(op, "logits", logits, 2, 2)
     if p is None and k is None:
-        raise ValueError(f"{op}: p and k cannot both be None (torch_npu 2.7.1)")
+        raise ValueError(f"{op}: p and k cannot both be None (torch_npu 2.10.0.post4)")
     rows, vocab = logits.shape
     for name, t, dtypes in (("p", p, (logits.dtype,)), ("k", k, (torch.int32,))):
         if t is not None:
@@ -315,7 +321,11 @@ def npu_grouped_matmul(
     group_list_type: int = 0,
     act_type: int = 0,
     tuning_config: Sequence[int] | None = None,
-    output_dtype: torch.dtype | None = None,
+    output_dtype: int | None = None,
+    x_dtype: int | None = None,
+    weight_dtype: int | None = None,
+    scale_dtype: int | None = None,
+    per_token_scale_dtype: int | None = None,
 ) -> list[torch.Tensor]:
     """Grouped GEMM ``y_i = x_i @ weight_i + bias_i`` (torch_npu, non-quantised formula).
 
@@ -326,22 +336,29 @@ def npu_grouped_matmul(
       concatenates the results along dim 0.
     * ``group_list_type`` 0 = cumulative ends, 1 = per-group counts (``group_list`` a list or 1-D tensor).
 
-    torch_npu 2.7.1's limits, enforced: ``group_type`` is -1 or 0 (its meta registration: "group_type only
-    support -1 and 0"; the K-split ``group_type=2`` of later builds is refused); x and weight fp16 / bf16 /
-    fp32; at most 128 tensors per list; every x and weight last dim < 65536 (the A2 inner-axis limit); a
-    tensor ``group_list`` is int64 and, with ``group_list_type=1``, longer than 1 (op docs).
-    ``group_type=None`` is accepted as "no group axis given" (the meta registration, which only FakeTensor
-    tracing runs, refuses it; eager 2.7.1's C++ check could not be read here).
+    torch_npu 2.10.0.post4's limits, enforced: ``group_type`` is -1, 0 or 2 (its meta registration: "group_type
+    only supports -1, 0 and 2"); x and weight fp16 / bf16 / fp32; at most 128 tensors per list; every x and
+    weight last dim < 65536 (the A2 inner-axis limit); a tensor ``group_list`` is int64 and, with
+    ``group_list_type=1``, longer than 1 (op docs). ``group_type=None`` is accepted as "no group axis given"
+    (the meta registration, which only FakeTensor tracing runs, refuses it unless group_list is a list; eager's
+    C++ check could not be read here). ``output_dtype`` is an ``int`` since 2.10 (schema ``int? output_dtype``,
+    was ``ScalarType?``): torch_npu's dtype enum value, of which the meta takes 5 / 15 / 6 / 3 (fp16 / bf16 /
+    fp32 / int32; ``gmm_get_dtype``, ``_meta_registrations.py:3524-3530``); a ``torch.dtype`` is a TypeError,
+    as the int argument is on the NPU.
 
-    Emulation differences: quantisation arguments and ``act_type != 0`` raise ``ValueError``;
-    ``tuning_config`` is ignored. Where ``group_list`` covers fewer rows than x has (the NPU requires it to
-    cover all of them) the uncovered output rows are 0. Arithmetic is fp32 for fp16/bf16 inputs.
+    Emulation differences: quantisation arguments (2.10's ``x_dtype`` / ``weight_dtype`` / ``scale_dtype`` /
+    ``per_token_scale_dtype`` among them), an int32 ``output_dtype`` and ``act_type != 0`` raise ``ValueError``;
+    the K-split ``group_type=2`` (what MindSpeed's TE grouped experts take the weight gradient with) is accepted
+    by 2.10 but not emulated here and raises ``ValueError``; ``tuning_config`` is ignored. Where ``group_list``
+    covers fewer rows than x has (the NPU requires it to cover all of them) the uncovered output rows are 0.
+    Arithmetic is fp32 for fp16/bf16 inputs.
     """
     quant = [name for name, value in (
         ("scale", scale), ("offset", offset), ("antiquant_scale", antiquant_scale),
         ("antiquant_offset", antiquant_offset), ("per_token_scale", per_token_scale),
         ("activation_input", activation_input), ("activation_quant_scale", activation_quant_scale),
-        ("activation_quant_offset", activation_quant_offset),
+        ("activation_quant_offset", activation_quant_offset), ("x_dtype", x_dtype), ("weight_dtype", weight_dtype),
+        ("scale_dtype", scale_dtype), ("per_token_scale_dtype", per_token_scale_dtype),
     ) if value is not None]  # fmt: skip
     if quant:
         raise ValueError(f"npu_grouped_matmul: quantisation arguments are not emulated on the CPU shim: {quant}")
@@ -353,7 +370,7 @@ def npu_grouped_matmul(
     bias = None if bias is None else list(bias)
     _check_gmm_limits(x, weight, group_list, group_type, group_list_type)
     cdt = _compute_dtype(x[0].dtype)
-    out_dtype = output_dtype or x[0].dtype
+    out_dtype = _gmm_output_dtype(output_dtype) or x[0].dtype
     if group_type == -1 or len(x) > 1 or group_list is None:
         pieces = _gmm_pairwise(x, weight, bias, group_list, group_list_type, cdt)
     else:
@@ -367,14 +384,35 @@ def npu_grouped_matmul(
     return [torch.cat(pieces, dim=0)]  # [M, N]
 
 
+# torch_npu's dtype enum values npu_grouped_matmul's output_dtype takes (2.10 meta: TORCH_DTYPE_MAP, gmm_get_dtype)
+_GMM_OUTPUT_DTYPES = {5: torch.float16, 15: torch.bfloat16, 6: torch.float32}
+_GMM_INT32_OUTPUT = 3  # int32: the quantised (a8w8) output, not emulated
+
+
+def _gmm_output_dtype(output_dtype: int | None) -> torch.dtype | None:
+    op = "npu_grouped_matmul"
+    if output_dtype is None or output_dtype == 0:  # gmm_get_dtype: ``if not output_dtype`` keeps x's dtype
+        return None
+    if isinstance(output_dtype, bool) or not isinstance(output_dtype, int):
+        raise TypeError(f"{op}: output_dtype must be an int (torch_npu's dtype enum, e.g. 15 = bf16) since 2.10, "
+                        f"got {output_dtype!r}")  # fmt: skip
+    if output_dtype == _GMM_INT32_OUTPUT:
+        raise ValueError(f"{op}: output_dtype={output_dtype} (int32, quantised output) is not emulated on the CPU shim")
+    if output_dtype not in _GMM_OUTPUT_DTYPES:
+        raise ValueError(f"{op}: the output dtype {output_dtype} is not supported (torch_npu takes 5, 15, 6, 3)")
+    return _GMM_OUTPUT_DTYPES[output_dtype]
+
+
 _GMM_MAX_TENSORS = 128  # "列表最大长度为128"
 _GMM_INNER_LIMIT = 65536  # A2 InnerLimit: each x / weight last dim must be below it
 
 
 def _check_gmm_limits(x, weight, group_list, group_type, group_list_type) -> None:
     op = "npu_grouped_matmul"
-    if group_type not in (None, -1, 0):
-        raise ValueError(f"{op}: group_type only support -1 and 0 in torch_npu 2.7.1, got {group_type}")
+    if group_type not in (None, -1, 0, 2):
+        raise ValueError(f"{op}: group_type only supports -1, 0 and 2 in torch_npu, got {group_type}")
+    if group_type == 2:  # accepted by 2.10's meta, but its K-split output [E, M, N] is not emulated
+        raise ValueError(f"{op}: group_type=2 (K-split) is not emulated on the CPU shim (only -1 and 0)")
     if not x or not weight or len(x) > _GMM_MAX_TENSORS or len(weight) > _GMM_MAX_TENSORS:
         raise ValueError(f"{op}: x and weight lists take 1-{_GMM_MAX_TENSORS} tensors, got {len(x)} and {len(weight)}")
     for name, tensors in (("x", x), ("weight", weight)):
@@ -385,7 +423,7 @@ def _check_gmm_limits(x, weight, group_list, group_type, group_list_type) -> Non
     if isinstance(group_list, torch.Tensor):
         _check_dtype(op, "group_list", group_list, (torch.int64,))
         if group_list_type == 1 and group_list.numel() == 1:
-            raise ValueError(f"{op}: with group_list_type=1 the group_list cannot have length 1 (torch_npu 2.7.1)")
+            raise ValueError(f"{op}: with group_list_type=1 the group_list cannot have length 1 (torch_npu op docs)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -405,7 +443,7 @@ def npu_moe_token_permute(
     ``num_out_tokens``: None/0 keeps all N*topk rows, n > 0 keeps min(n, N*topk), n < 0 keeps N*topk + n
     (torch_npu's rule); dropped positions map to rows >= n_out.
 
-    torch_npu 2.7.1's limits, enforced (op docs): tokens bfloat16 ("当前版本permuted_tokens仅支持bfloat16"),
+    torch_npu 2.10.0.post4's limits, enforced (op docs): tokens bfloat16 ("当前版本permuted_tokens仅支持bfloat16"),
     indices int64 with fewer than 16777215 elements, top-k <= 512; tokens 2-D and indices 1-D or 2-D (its meta
     registration's checks). Like the NPU, ``padded_mode=True`` raises.
     """
@@ -444,7 +482,7 @@ def npu_moe_token_unpermute(
     result is reshaped to [N, topk, H], multiplied by ``probs [N, topk]`` and summed over topk. Without probs
     topk = 1 and the output is [N*topk, H] (no merge), as torch_npu's output-size rule states.
 
-    torch_npu 2.7.1's limits, enforced: permuted_tokens and probs bfloat16 (op docs); permuted_tokens 2-D,
+    torch_npu 2.10.0.post4's limits, enforced: permuted_tokens and probs bfloat16 (op docs); permuted_tokens 2-D,
     sorted_indices 1-D, probs 2-D (meta registration). The docs give sorted_indices as int64 while the permute
     op returns int32 and the docs' own example passes that int32 tensor: both are accepted.
     """

@@ -1,4 +1,6 @@
-"""Runtime patches for vllm-ascend 0.11 (the pinned NPU rollout), applied inside vLLM's worker processes.
+"""Runtime patches for vllm-ascend, applied inside vLLM's worker processes. Written for 0.11 (the previous line's
+pin); on the pinned 0.23.0, 1. is still needed (its runner still builds a bare ``AscendSampler()``) and 2. is not
+reached (vLLM 0.23 has the layerwise reload module).
 
 Both are applied by an explicit call from the ``vllm`` rollout engine's worker extension
 (``gspo_ascend.engines.vllm_worker.WeightSyncExtension``), never at import. Each acts on live objects of one

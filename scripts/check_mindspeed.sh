@@ -1,50 +1,60 @@
 #!/usr/bin/env bash
-# Run the real MindSpeed on CPU under our device shim, in a separate venv per MindSpeed branch (issues #13, #26, #40).
-# Two branches are held (docs/mindspeed-branches.md lists what differs between them for us, with the test of each):
-#   26.1.0  branch 26.1.0_core_r0.12.1, the maintained one (until 2026-12-30): the recommended MindSpeed;
-#           venv .venv-mindspeed-26/; runs the whole of tests/mindspeed/
-#   2.2.0   branch 2.2.0_core_r0.12.1, the MindSpeed of verl's Atlas 800T A2 stack (the field stack; unmaintained
-#           since 2026-03-30); venv .venv-mindspeed/; runs only the tests that tell the branches apart: the "test"
-#           column of the doc's table "What differs between them for us", read by tests/mindspeed/branch_tests.py
-#           (the one list; tests/unit/test_mindspeed_branch_tests.py checks each entry names a real test)
-# .ci/run runs both, one after the other.
-#   bash scripts/check_mindspeed.sh                        26.1.0 (MINDSPEED_BRANCH, else 26.1.0): tests/mindspeed/
-#   bash scripts/check_mindspeed.sh --branch 2.2.0         the field stack's MindSpeed: the distinguishing tests
-#   bash scripts/check_mindspeed.sh --branch 2.2.0 --all   ... the whole of tests/mindspeed/ instead
+# Run the real MindSpeed on CPU under our device shim, in a separate venv per MindSpeed branch (issues #13, #26, #40,
+# #41). Three branches are held (docs/mindspeed-branches.md lists what differs between them for us, with the test of
+# each):
+#   core_r0.16.0  MindSpeed's Mcore 0.16 line, the one the pinned NPU stack installs (requirements-npu.txt: with
+#           vllm-ascend 0.23, torch / torch_npu 2.10, megatron-core 0.16.0, the line verl's 2026 Ascend guide runs);
+#           venv .venv-mindspeed-16/; runs the whole of tests/mindspeed/
+#   26.1.0  branch 26.1.0_core_r0.12.1 of the previous line (megatron-core 0.12.1), maintained until 2026-12-30 and
+#           kept for teams on that line; venv .venv-mindspeed-26/; runs only the tests that tell the branches apart:
+#           the "test" column of the doc's table "What differs between them for us", read by
+#           tests/mindspeed/branch_tests.py (the one list; tests/unit/test_mindspeed_branch_tests.py checks each
+#           entry names a real test)
+#   2.2.0   branch 2.2.0_core_r0.12.1, the previous line's field MindSpeed (verl's until it moved to core_r0.16.0;
+#           unmaintained since 2026-03-30); venv .venv-mindspeed/; the same distinguishing tests; not in CI
+# .ci/run runs core_r0.16.0 and 26.1.0, one after the other.
+#   bash scripts/check_mindspeed.sh                        core_r0.16.0 (MINDSPEED_BRANCH, else core_r0.16.0)
+#   bash scripts/check_mindspeed.sh --branch 26.1.0        the previous line's MindSpeed: the distinguishing tests
+#   bash scripts/check_mindspeed.sh --branch 26.1.0 --all  ... the whole of tests/mindspeed/ instead
 #   bash scripts/check_mindspeed.sh --rebuild              delete the branch's venv and build it again
 #   bash scripts/check_mindspeed.sh --prepare              build the venv and the tiny models only (.ci/run starts
-#                                                          both branches' in the background while the main suite runs)
+#                                                          both CI branches' in the background while the main suite
+#                                                          runs)
 #   bash scripts/check_mindspeed.sh [--] FILE...           run these test files (or node ids, or pytest options)
 # Caches outside the clone, under GSPO_CI_CACHE (default ~/.cache/gspo-ci); a fresh machine (only Python) fills them
 # once, every later venv and clone reuses them; deleting the folder only costs that first fill again:
 #   uv-<version>/   uv itself (pip-installed from PyPI into its own small venv)
-#   uv/             uv's package cache: torch 2.7.1 (a CUDA build with its nvidia-* libraries; PyTorch's CPU index is
-#                   not reachable from every machine) is downloaded once; every venv then hardlinks the installed
-#                   files from here (uv's default on Linux; on another filesystem than the clone uv copies them), so
-#                   the second branch's 5.9 GB venv costs seconds and almost no disk. MindSpeed's wheel, built once
-#                   per archive, is cached here too.
-#   gspo-home-<key>/  the tiny models (GSPO_HOME), shared by both venvs: built by the same torch and transformers
-#                   (the key hashes their pins), so the same models; gspo_ascend.tiny writes each next to its place
-#                   and renames it in, so two runs building at once do not see half a model.
+#   uv/             uv's package cache: torch 2.10.0 and 2.7.1 (CUDA builds with their nvidia-* libraries, run on
+#                   CPU: PyTorch's CPU index is not reachable from every machine) are downloaded once; every venv then
+#                   hardlinks the installed files from here (uv's default on Linux; on another filesystem than the
+#                   clone uv copies them), so a second venv of the same torch costs seconds and almost no disk.
+#                   MindSpeed's wheel, built once per archive, is cached here too.
+#   gspo-home-<key>/  the tiny models (GSPO_HOME), shared by the venvs of one torch and transformers (the key hashes
+#                   their pins), so the same models; gspo_ascend.tiny writes each next to its place and renames it
+#                   in, so two runs building at once do not see half a model.
 #   locks/          one lock per venv: a run installs into its venv only while no other run uses that venv, so two
 #                   runs at once never swap MindSpeed under each other's worker processes (and each branch has its
-#                   own venv, so the two branches run side by side).
+#                   own venv, so the branches run side by side).
 # Measured on 2 shared, loaded cores: docs/mindspeed-branches.md "CI time".
-# The stack: the NPU pins that run on CPU (requirements-npu.txt: torch 2.7.1, numpy 1.26.4, mbridge 0.13.1, einops;
-# megatron-core 0.12.1 and transformers 4.57.6 from requirements-gpu.txt: verl's Ascend image has 4.57.6, the NPU file
-# holds 4.57.1 only for vllm-ascend's ceiling, and vllm-ascend is not installed here), MindSpeed with --no-deps (its
-# requirements.txt lists auto-tuning and test tools the adaptor does not import), and this package (editable).
-# No torch_npu, no CANN: the shim stands in for them (shim.install(mindspeed=True); docs/device-shim.md).
+# The stack, one line per branch:
+#   core_r0.16.0  the NPU pins that run on CPU: requirements-npu.txt (torch 2.10.0, transformers 5.5.4, numpy 1.26.4,
+#                 mbridge 0.15.1, einops, ...) and megatron-core 0.16.0 from requirements-gpu.txt (the NPU file has it
+#                 as a Megatron-LM checkout, an @source line)
+#   0.12.1 branches  tests/mindspeed/requirements-core_r0.12.1.txt (torch 2.7.1, megatron-core 0.12.1, transformers
+#                 4.57.6, mbridge 0.13.1: the previous line's pins), the rest from requirements-npu.txt
+# MindSpeed with --no-deps (its requirements.txt lists auto-tuning and test tools the adaptor does not import), and
+# this package (editable). No torch_npu, no CANN: the shim stands in for them (shim.install(mindspeed=True);
+# docs/device-shim.md). No Megatron-LM either: the shim's megatron.training stand-in (megatron_training.py).
 # MindSpeed's source (never copied into this repository; installed and run):
-#   MINDSPEED_SRC=<checkout dir or archive> when set, else ../shared/upstream/mindspeed-<branch>_core_r0.12.1-*.tar.gz
-# Environment: PYTHON (default python3, 3.10 or 3.11), MINDSPEED_BRANCH (26.1.0 | 2.2.0),
-#   MINDSPEED_VENV (default .venv-mindspeed-26 for 26.1.0, .venv-mindspeed for 2.2.0), GSPO_CI_CACHE (see above);
+#   MINDSPEED_SRC=<checkout dir or archive> when set, else the branch's archive in ../shared/upstream/
+# Environment: PYTHON (default python3, 3.10 or 3.11), MINDSPEED_BRANCH (core_r0.16.0 | 26.1.0 | 2.2.0),
+#   MINDSPEED_VENV (default per branch, above), GSPO_CI_CACHE (see above);
 #   uv reads its own settings (UV_DEFAULT_INDEX, ...), not pip's configuration.
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # the stamp hashes this file: any cwd
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-BRANCH=${MINDSPEED_BRANCH:-26.1.0}
+BRANCH=${MINDSPEED_BRANCH:-core_r0.16.0}
 UV_VERSION=0.13.9
 rebuild=0
 all=0
@@ -59,11 +69,13 @@ while (($#)); do
     *) break ;;
   esac
 done
-case "$BRANCH" in
-  26.1.0) default_venv=.venv-mindspeed-26 ;;
-  2.2.0) default_venv=.venv-mindspeed ;;
+case "$BRANCH" in  # the venv, the archive's name in ../shared/upstream/, the file of the line's own pins
+  core_r0.16.0) default_venv=.venv-mindspeed-16 archive=core_r0.16.0 line_pins=requirements-npu.txt ;;
+  26.1.0) default_venv=.venv-mindspeed-26 archive=26.1.0_core_r0.12.1 line_pins=tests/mindspeed/requirements-core_r0.12.1.txt ;;
+  2.2.0) default_venv=.venv-mindspeed archive=2.2.0_core_r0.12.1 line_pins=tests/mindspeed/requirements-core_r0.12.1.txt ;;
   *)
-    echo "check_mindspeed: --branch (MINDSPEED_BRANCH) is '$BRANCH'; use 26.1.0 (maintained) or 2.2.0 (verl's)" >&2
+    echo "check_mindspeed: --branch (MINDSPEED_BRANCH) is '$BRANCH'; use core_r0.16.0 (the pinned line), 26.1.0 or" \
+      "2.2.0 (the previous line's)" >&2
     exit 2
     ;;
 esac
@@ -72,9 +84,9 @@ CACHE=${GSPO_CI_CACHE:-$HOME/.cache/gspo-ci}
 [[ "${1:-}" == "--" ]] && shift
 if (($#)); then
   TESTS=("$@")
-elif [[ "$BRANCH" == 26.1.0 ]] || ((all)); then
+elif [[ "$BRANCH" == core_r0.16.0 ]] || ((all)); then
   TESTS=(tests/mindspeed)
-else  # the compatibility branch: the tests of the doc's table (plain Python reads them: no venv needed)
+else  # a previous-line branch: the tests of the doc's table (plain Python reads them: no venv needed)
   mapfile -t TESTS < <("$PY" -m tests.mindspeed.branch_tests)
   ((${#TESTS[@]})) || { echo "check_mindspeed: no tests read from docs/mindspeed-branches.md" >&2; exit 1; }
 fi
@@ -82,13 +94,13 @@ fi
 # MindSpeed's source: an explicit MINDSPEED_SRC, else the archive in ../shared/upstream/
 src="${MINDSPEED_SRC:-}"
 if [[ -z "$src" ]]; then
-  for f in ../shared/upstream/mindspeed-"$BRANCH"_core_r0.12.1-*.tar.gz; do
+  for f in ../shared/upstream/mindspeed-"$archive"-*.tar.gz; do
     [[ -f "$f" ]] && src="$f"
   done
 fi
 if [[ -z "$src" || ! -e "$src" ]]; then
-  echo "check_mindspeed: no MindSpeed source${src:+ at $src}. Get branch ${BRANCH}_core_r0.12.1 of the public" \
-    "Ascend/MindSpeed repository (git clone -b ${BRANCH}_core_r0.12.1 https://gitcode.com/Ascend/MindSpeed; mirrored at" \
+  echo "check_mindspeed: no MindSpeed source${src:+ at $src}. Get branch $archive of the public" \
+    "Ascend/MindSpeed repository (git clone -b $archive https://gitcode.com/Ascend/MindSpeed; mirrored at" \
     "https://github.com/Ascend/MindSpeed) and set MINDSPEED_SRC=<that checkout or an archive of it>." >&2
   exit 1
 fi
@@ -100,16 +112,24 @@ pin() {  # pin NAME FILE -> the "NAME==VERSION" line of FILE
   [[ -n "$line" ]] || { echo "check_mindspeed: no pin for $1 in $2" >&2; exit 1; }
   echo "$line"
 }
+if [[ "$BRANCH" == core_r0.16.0 ]]; then
+  core_pin="$(pin megatron-core requirements-gpu.txt)"  # the NPU file has it as an @source line (Megatron-LM)
+else
+  core_pin="$(pin megatron-core "$line_pins")"
+fi
 PINS=(
-  "$(pin torch requirements-npu.txt)" "$(pin numpy requirements-npu.txt)" "$(pin mbridge requirements-npu.txt)"
-  "$(pin einops requirements-npu.txt)" "$(pin megatron-core requirements-gpu.txt)"
-  "$(pin transformers requirements-gpu.txt)" "$(pin safetensors requirements-npu.txt)"
+  "$(pin torch "$line_pins")" "$(pin numpy "$line_pins")" "$(pin mbridge "$line_pins")"
+  "$(pin einops "$line_pins")" "$core_pin" "$(pin transformers "$line_pins")" "$(pin safetensors requirements-npu.txt)"
   "$(pin pyyaml requirements-npu.txt)" "$(pin omegaconf requirements-npu.txt)" "$(pin rich requirements-npu.txt)"
   "$(pin math-verify requirements-npu.txt)"  # the tiny models (gspo_ascend.tiny) score their warm start with it
   "$(pin blake3 requirements-npu.txt)"  # checkpoint checksums (gspo_ascend/checkpoint.py): this package's dependency
   "$(pin psutil requirements-npu.txt)"  # MindSpeed's requirements.txt; megatron-core's filesystem_async imports it, MindSpeed patches that module
+  "$(pin scipy requirements-npu.txt)"  # MindSpeed's requirements.txt; core_r0.16.0's adaptor imports it (the DSA feature)
   "setuptools>=68" wheel pytest
 )
+# core_r0.16.0's adaptor reaches transformers' lazy image processors (its patch manager probes a transformers
+# attribute), which import torchvision; the NPU stack has it (vllm-ascend 0.23.0 pins it)
+[[ "$BRANCH" != core_r0.16.0 ]] || PINS+=("$(pin torchvision requirements-npu.txt)")
 for p in "${PINS[@]}"; do [[ -n "$p" ]] || exit 1; done  # pin() failed inside $(...): its message is above
 
 # uv, once per machine, in its own small venv (its bin/uv is a self-contained binary); built aside and moved into
@@ -172,7 +192,7 @@ EOF
 echo "mindspeed stack: $versions"
 # the tiny models: built by this stack's torch and transformers (the key), so both branches' venvs share them; never
 # written into .venv's cache (~/.cache/gspo-ascend), which another transformers builds
-GSPO_HOME="$CACHE/gspo-home-$(printf '%s\n' "${PINS[0]}" "$(pin transformers requirements-gpu.txt)" | sha256sum | cut -c1-12)"
+GSPO_HOME="$CACHE/gspo-home-$(printf '%s\n' "${PINS[0]}" "${PINS[5]}" | sha256sum | cut -c1-12)"
 export GSPO_HOME
 export MINDSPEED_BRANCH="$BRANCH"  # tests/mindspeed/test_mindspeed_branch.py: the doctor must find this branch
 if ((prepare)); then  # the venv and the tiny models its tests read; no test

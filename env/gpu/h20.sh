@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Host environment of an NVIDIA H20 node (8 x 96 GB, CUDA 12.8 wheels). scripts/lib/launch.sh sources it on every
+# Host environment of an NVIDIA H20 node (8 x 96 GB, CUDA 13 wheels). scripts/lib/launch.sh sources it on every
 # node before `ray start`: Ray workers inherit the raylet's environment, and a runtime_env cannot pick the NIC.
 # By hand:  NIC=<interface> source env/gpu/h20.sh
 # Per-job variables are in env/gpu/h20_env.yaml. NPU counterpart: env/npu/atlas_800t_a2.sh (same shape). Every

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Host environment of an Atlas 800T A2 node (8 x Ascend 910B, CANN 8.3.RC1). scripts/lib/launch.sh sources it on
+# Host environment of an Atlas 800T A2 node (8 x Ascend 910B, CANN 9.1.0). scripts/lib/launch.sh sources it on
 # every node before `ray start`: Ray workers inherit the raylet's environment, and a runtime_env cannot source
 # scripts. By hand:  NIC=<interface> source env/npu/atlas_800t_a2.sh   (ASCEND_ROOT defaults to /usr/local/Ascend)
 # Per-job variables (HCCL timeouts and ports, vllm-ascend switches) are in env/npu/mc2_env.yaml. GPU counterpart:
@@ -29,7 +29,7 @@ _gspo_host_profile() {
   # why: vllm-ascend links libatb.so; without it vLLM fails with "Failed to infer device type".
   # source: vllm-ascend installation guide and FAQ; doctor check atb.
   if [[ ! -f $root/nnal/atb/set_env.sh ]]; then
-    echo "error: no $root/nnal/atb/set_env.sh: install Ascend-cann-nnal 8.3.RC1 (docs/install-npu.md)" >&2
+    echo "error: no $root/nnal/atb/set_env.sh: install Ascend-cann-nnal 9.1.0 (docs/install-npu.md)" >&2
     return 1
   fi
   # shellcheck disable=SC1091

@@ -1,5 +1,6 @@
-"""How the megatron engine configures the real MindSpeed (branches 26.1.0_core_r0.12.1, recommended, and
-2.2.0_core_r0.12.1, verl's; docs/mindspeed-branches.md has what differs between them for us) for a Config.
+"""How the megatron engine configures the real MindSpeed (branch core_r0.16.0, pinned, and the previous line's
+26.1.0_core_r0.12.1 and 2.2.0_core_r0.12.1; docs/mindspeed-branches.md has what differs between them for us) for a
+Config.
 
 How MindSpeed chooses what to patch (read from its source, ``mindspeed/megatron_adaptor.py``,
 ``args_utils.py``, ``features_manager/``):
@@ -68,6 +69,19 @@ def enabled(backend: Any) -> bool:
     return True if not backend.emulated else installed()
 
 
+# doctor's name of the MindSpeed branch whose MC2 linears cannot be built on its megatron-core (core_r0.16.0: pip's
+# 0.16.0); tests/mindspeed/test_mindspeed_engine.py builds one to show the TypeError is still there
+MC2_BROKEN_BRANCH = "0.16.0"
+
+
+def installed_branch() -> str | None:
+    """The installed MindSpeed branch as doctor names it (read from its files, nothing imported), or None."""
+    from ..doctor.packages import mindspeed_branch, mindspeed_package_dir
+
+    found = mindspeed_branch(mindspeed_package_dir())
+    return found[0] if found else None
+
+
 def check_mc2(cfg: Config) -> None:
     """``actor.use_mc2`` is MindSpeed's ``use_ascend_mc2``: MC2 linear layers replace megatron's column / row
     parallel linears only with TP > 1 and sequence parallelism (``features_manager/tensor_parallel/mc2.py``);
@@ -83,6 +97,13 @@ def check_mc2(cfg: Config) -> None:
         raise ConfigError(
             "config key 'actor.use_mc2' needs model.dtype bfloat16 or float16: torch_npu's MC2 kernels "
             "(npu_all_gather_base_mm, npu_mm_reduce_scatter_base) take no float32; set model.dtype: bfloat16"
+        )
+    if a.use_mc2 and installed_branch() == MC2_BROKEN_BRANCH:
+        raise ConfigError(
+            "config key 'actor.use_mc2': MindSpeed core_r0.16.0's MC2 linears take no tp_group, which megatron-core "
+            "0.16's attention passes them (mindspeed/core/tensor_parallel/mc2_feature/mc2_row_parallel_linear.py; "
+            "megatron/core/transformer/attention.py:360), so the model cannot be built; set actor.use_mc2: false "
+            "(sequence parallelism alone runs) or use MindSpeed 26.1.0_core_r0.12.1 with megatron-core 0.12.1"
         )
 
 
@@ -243,6 +264,38 @@ def _recording(manager: type, features: list[Any]) -> Iterator[dict[str, list[st
             vars(feature).pop(hook, None)
 
 
+def _settle_flash_attn_checks() -> None:
+    """Run transformers' flash-attention checks with MindSpeed's dummy ``flash_attn`` module out of the way.
+
+    MindSpeed core_r0.16.0 registers ``flash_attn.flash_attn_interface.flash_attn_unpadded_func`` with
+    ``create_dummy=True`` (features_manager/megatron_basic/requirements_basic.py:58), which puts an empty
+    ``flash_attn`` into sys.modules. transformers 5.5.4 (vllm-ascend 0.23.0's pin) then finds that module by spec and
+    indexes ``packages_distributions()["flash_attn"]``, a KeyError since no distribution provides it
+    (utils/import_utils.py:951 and :982, :970 for FA3; later releases use ``.get``). MindSpeed reaches the check
+    itself: its patch manager probes ``hasattr`` on every module in sys.modules, and transformers 5.5's
+    ``image_processing_*_fast`` alias modules import their image processors, and through them the flash-attention
+    integration, on any attribute. The checks are ``lru_cache``d: run here, with a dummy from an adaptor imported
+    earlier in the process hidden (a module whose spec has no loader, which no installed package is), they give the
+    true answer (no flash-attn on an NPU) for the rest of the process. On the 0.12.1 branches and on later
+    transformers this changes nothing.
+    """
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        return
+    dummies = {}
+    for name in ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn_interface"):
+        spec = getattr(sys.modules.get(name), "__spec__", None)
+        if spec is not None and spec.loader is None:
+            dummies[name] = sys.modules.pop(name)
+    try:
+        for check in ("is_flash_attn_2_available", "is_flash_attn_3_available", "is_flash_attn_4_available"):
+            if hasattr(import_utils, check):
+                getattr(import_utils, check)()
+    finally:
+        sys.modules.update(dummies)
+
+
 def apply(args: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     """Import ``mindspeed.megatron_adaptor`` (neutral argv) and ``repatch`` it with ``args``.
 
@@ -251,6 +304,7 @@ def apply(args: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     first: ``shim.install(mindspeed=True)``; the adaptor must be imported before megatron.core.
     """
     global _last
+    _settle_flash_attn_checks()
     with _neutral_argv():
         import mindspeed.megatron_adaptor as adaptor
     from mindspeed.features_manager import MindSpeedFeaturesManager

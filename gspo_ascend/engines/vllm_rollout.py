@@ -4,41 +4,41 @@ One ``vllm.LLM`` per rollout worker. ``generate`` turns the contract of :mod:`.b
 ``SamplingParams`` per prompt, seeded ``seed + i * n`` so vLLM's per-sample children ``+ j`` never collide) and
 packs the outputs into a right-padded :class:`SampleBatch`.
 
-Log-probs. The engine is built with ``logprobs_mode="processed_logprobs"``: in vLLM 0.32 that is
-``log_softmax`` of the logits after temperature *and after* top-k / top-p masking (``Sampler.sample`` divides by
-T, then ``TopKTopPSampler`` masks and takes ``log_softmax``). With top-k / top-p off (the GSPO default) that is
-exactly the contract ``log_softmax(logits / T)[y]``. With truncation on, vLLM returns the log-prob under the
-truncated, renormalised distribution, ``log_softmax(logits / T)[y] - log(kept mass)``, which is >= the contract
-value; no vLLM mode returns the untruncated tempered value (``raw_logprobs`` is untempered), so we document it,
-test it, and the trainer should recompute old log-probs (``algorithm.old_logprobs=recompute``) in that case.
-Greedy requests (T = 0) are scored at T = 1. vllm-ascend 0.11 ignores ``logprobs_mode`` (its model runner builds
-the sampler without it) and would return raw log-probs, before temperature and truncation; right after start the
-engine asks every worker to apply :func:`gspo_ascend.patches.vllm_ascend.honour_logprobs_mode` and to report the
-mode its sampler really uses (:attr:`VLLMRolloutEngine.logprobs_mode`). Should a worker still report another
-mode, settings under which that differs (``rollout.temperature`` not 0 / 1, ``rollout.top_p`` < 1,
-``rollout.top_k`` on) are refused with ``algorithm.old_logprobs=engine`` and warned about once otherwise (the
-``rollout/logprob_gap_*`` metrics then include that difference).
+Log-probs. The engine is built with ``logprobs_mode="processed_logprobs"``: in vLLM 0.32 that is ``log_softmax`` of
+the logits after temperature *and after* top-k / top-p masking (``Sampler.sample`` divides by T, then
+``TopKTopPSampler`` masks and takes ``log_softmax``). With top-k / top-p off (the GSPO default) that is exactly the
+contract ``log_softmax(logits / T)[y]``. With truncation on, vLLM returns the log-prob under the truncated,
+renormalised distribution, ``log_softmax(logits / T)[y] - log(kept mass)``, which is >= the contract value; no vLLM
+mode returns the untruncated tempered value (``raw_logprobs`` is untempered), so we document it, test it, and the
+trainer should recompute old log-probs (``algorithm.old_logprobs=recompute``) in that case. Greedy requests (T = 0)
+are scored at T = 1. vllm-ascend (0.11, still 0.23.0) ignores ``logprobs_mode`` (its model runner builds the sampler
+without it) and would return raw log-probs, before temperature and truncation; right after start the engine asks
+every worker to apply :func:`gspo_ascend.patches.vllm_ascend.honour_logprobs_mode` and to report the mode its
+sampler really uses (:attr:`VLLMRolloutEngine.logprobs_mode`). Should a worker still report another mode, settings
+under which that differs (``rollout.temperature`` not 0 / 1, ``rollout.top_p`` < 1, ``rollout.top_k`` on) are
+refused with ``algorithm.old_logprobs=engine`` and warned about once otherwise (the ``rollout/logprob_gap_*``
+metrics then include that difference).
 
-Weight updates. In vLLM 0.32 (V1 engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, the default and the only mode the
-CPU build supports properly) the model lives in a worker process behind the engine-core process. A
-``collective_rpc`` reaches it through msgpack (client -> engine core over ZMQ) and then pickling (engine core ->
-workers): a callable only travels with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (cloudpickle), and a tensor
-argument arrives as a raw ``[dtype, shape, buffer-index]`` triple, not a tensor, because the utility channel
-decodes untyped. So we use vLLM's documented extension point instead: ``worker_extension_cls`` mixes
-:class:`WeightSyncExtension` into the worker class, ``collective_rpc`` calls its methods *by name*, and tensors
-travel as safetensors byte buffers in buckets of :data:`BUCKET_BYTES`. On the worker the buckets are fed to
-``model.load_weights`` between ``initialize_layerwise_reload`` and ``finalize_layerwise_reload``, the documented
-layerwise reload that ``Worker.reload_weights(weights_iterator=...)`` itself runs (vLLM docs "training/layerwise"):
-it takes checkpoint-format (HF) names, fuses qkv / gate_up / experts, shards for TP and re-runs the kernel
-post-processing -- which the CPU build needs, because its kernels repack weights after loading (a plain
-``load_weights`` into the repacked parameters fails there). Splitting into begin / chunk / finish calls bounds the
-memory to one bucket instead of the whole model. vLLM without the reload module (vLLM 0.11, the vllm-ascend 0.11
-pin) falls back to ``load_weights`` per bucket, which needs ``VLLM_ASCEND_ENABLE_NZ=0`` (no NZ repacking); there,
+Weight updates. In vLLM 0.32 (V1 engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, the default and the only mode the CPU
+build supports properly) the model lives in a worker process behind the engine-core process. A ``collective_rpc``
+reaches it through msgpack (client -> engine core over ZMQ) and then pickling (engine core -> workers): a callable
+only travels with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (cloudpickle), and a tensor argument arrives as a raw
+``[dtype, shape, buffer-index]`` triple, not a tensor, because the utility channel decodes untyped. So we use vLLM's
+documented extension point instead: ``worker_extension_cls`` mixes :class:`WeightSyncExtension` into the worker
+class, ``collective_rpc`` calls its methods *by name*, and tensors travel as safetensors byte buffers in buckets of
+:data:`BUCKET_BYTES`. On the worker the buckets are fed to ``model.load_weights`` between
+``initialize_layerwise_reload`` and ``finalize_layerwise_reload``, the documented layerwise reload that
+``Worker.reload_weights(weights_iterator=...)`` itself runs (vLLM docs "training/layerwise"): it takes
+checkpoint-format (HF) names, fuses qkv / gate_up / experts, shards for TP and re-runs the kernel post-processing --
+which the CPU build needs, because its kernels repack weights after loading (a plain ``load_weights`` into the
+repacked parameters fails there). Splitting into begin / chunk / finish calls bounds the memory to one bucket
+instead of the whole model. vLLM without the reload module (vLLM 0.11, the previous line's vllm-ascend 0.11 pin)
+falls back to ``load_weights`` per bucket, which needs ``VLLM_ASCEND_ENABLE_NZ=0`` (no NZ repacking); there,
 vllm-ascend's MoE post-processing has dropped the experts' weight loaders and transposed the expert weights, and
-:func:`gspo_ascend.patches.vllm_ascend.reattach_moe_weight_loaders` gives them loaders that write the new weights
-in that layout, in place, before each update. The prefix cache is reset after every update. vLLM's NCCL /
-CUDA-IPC weight-transfer engines (``weight_transfer_config``) are not used: they are CUDA-only and need a
-trainer-side peer engine; on GPU they would be the faster path.
+:func:`gspo_ascend.patches.vllm_ascend.reattach_moe_weight_loaders` gives them loaders that write the new weights in
+that layout, in place, before each update. The prefix cache is reset after every update. vLLM's NCCL / CUDA-IPC
+weight-transfer engines (``weight_transfer_config``) are not used: they are CUDA-only and need a trainer-side peer
+engine; on GPU they would be the faster path.
 
 Sleep mode (level 1: weights to host, KV cache dropped) is enabled where vLLM's platform says it is available
 (CUDA, ROCm, XPU, Ascend); on the CPU build ``enable_sleep_mode`` raises, so ``sleep`` / ``wake_up`` are no-ops.

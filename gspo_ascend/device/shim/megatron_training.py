@@ -1,13 +1,15 @@
-"""Stand-in for Megatron-LM's ``megatron.training`` package, for MindSpeed 26.1.0 on a machine with megatron-core
-only (issue #26).
+"""Stand-in for Megatron-LM's ``megatron.training`` package, for MindSpeed 26.1.0 and core_r0.16.0 on a machine with
+megatron-core only (issues #26, #41).
 
 MindSpeed 26.1.0_core_r0.12.1's level-0 ``transformer-engine-basic`` feature (always applied) imports
 ``mindspeed.te.pytorch.module.checkpoint`` while it registers its patches, and that chain reaches
 ``mindspeed/te/pytorch/fp8/tensor/float8_tensor.py``, which does ``from megatron.training import get_args`` at
 module level. MindSpeed 2.2.0 never imported it on this path. On the cluster ``megatron.training`` comes from the
-Megatron-LM checkout (docs/install-npu.md installs core_v0.12.1 from source); PyPI's megatron-core wheel and
+Megatron-LM checkout (docs/install-npu.md installs it from source); PyPI's megatron-core wheel and
 sdist (what CPU venvs install) hold ``megatron/core`` only. So without this stand-in 26.1.0's adaptor cannot be
-imported here at all.
+imported here at all. MindSpeed core_r0.16.0 imports it on the MoE path instead: its grouped-GEMM experts import
+``core/transformer/moe/grouped_matmul_util.py``, which imports ``moe_feature/fb_overlap/modules/weight_grad_store.py``,
+whose line 10 is ``from megatron.training import get_args`` (the first MoE forward fails without it).
 
 What it emulates: the names MindSpeed 26.1.0 imports or patches in ``megatron.training`` when it finds the package
 (``features_manager/megatron_basic/megatron_basic.py`` register_non_mcore_basic_patches: arguments.parse_args /
@@ -15,7 +17,8 @@ validate_args / _print_args, yaml_arguments.validate_yaml / _print_args, initial
 dist_signal_handler.get_device, utils.get_device_arch_version; ``args_utils.get_full_args``: global_vars.get_args,
 _GLOBAL_ARGS). ``get_args`` behaves as Megatron-LM's before ``initialize_megatron``: it asserts
 ``'args is not initialized.'``, which MindSpeed's ``get_full_args`` catches to fall back to its own arguments
-(the message it matches is Megatron-LM's ``_ensure_var_is_initialized``). The training-loop functions exist only
+(the message it matches is Megatron-LM's ``_ensure_var_is_initialized``); core_r0.16.0 also imports
+``get_timers``, which asserts the same way. The training-loop functions exist only
 to be patched: our engines never parse Megatron-LM's command line or run its training loop, and calling one says
 so. With the package present MindSpeed takes the path it takes on the cluster (``only_mcore`` False).
 """
@@ -39,8 +42,17 @@ _FUNCTIONS = {
 MODULES = ("megatron.training", *_FUNCTIONS)
 
 
+# (file of the installed mindspeed package, text in it): MindSpeed reaches megatron.training on our path when the
+# file says so. 26.1.0: the always-applied TE-basic feature imports the fp8 chain; core_r0.16.0: the MoE GMM path's
+# weight-grad store imports get_args at module level. 2.2.0 has neither.
+_IMPORTERS = (
+    ("features_manager/megatron_basic/transformer_engine_basic.py", "mindspeed.te.pytorch.module.checkpoint"),
+    ("core/transformer/moe/moe_feature/fb_overlap/modules/weight_grad_store.py", "from megatron.training import"),
+)
+
+
 def needed() -> bool:
-    """True when MindSpeed's TE-basic feature imports the fp8 chain (26.1.0) and no real megatron.training exists."""
+    """True when the installed MindSpeed imports megatron.training on our path and no real one exists."""
     try:
         if importlib.util.find_spec("megatron.training") is not None:
             return False
@@ -48,12 +60,13 @@ def needed() -> bool:
     except (ImportError, ValueError):
         return False
     for location in (spec.submodule_search_locations or []) if spec else []:
-        feature = f"{location}/features_manager/megatron_basic/transformer_engine_basic.py"
-        try:
-            with open(feature, encoding="utf-8") as f:
-                return "mindspeed.te.pytorch.module.checkpoint" in f.read()
-        except OSError:
-            continue
+        for relpath, text in _IMPORTERS:
+            try:
+                with open(f"{location}/{relpath}", encoding="utf-8") as f:
+                    if text in f.read():
+                        return True
+            except OSError:
+                continue
     return False
 
 
@@ -93,6 +106,16 @@ def build() -> dict[str, types.ModuleType]:
 
     global_vars.get_args = get_args
     modules["megatron.training"].get_args = get_args
+    # core_r0.16.0's fb-overlap package imports get_timers too (fb_overlap/vpp_schedules.py:8, reached through its
+    # __init__ from the GMM experts); only its interleaved pipeline schedule calls it, which our engines never run
+    global_vars._GLOBAL_TIMERS = None
+
+    def get_timers():
+        assert global_vars._GLOBAL_TIMERS is not None, "timers is not initialized."  # Megatron-LM's message
+        return global_vars._GLOBAL_TIMERS
+
+    global_vars.get_timers = get_timers
+    modules["megatron.training"].get_timers = get_timers
     return modules
 
 

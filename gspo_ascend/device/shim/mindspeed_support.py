@@ -1,7 +1,8 @@
 """Stand-ins for the torch_npu and torchair pieces MindSpeed imports, so the real MindSpeed runs on a CPU.
 
-MindSpeed (branches 26.1.0_core_r0.12.1 and 2.2.0_core_r0.12.1) is written against a real torch_npu 2.7.1 with CANN
-(and, 26.1.0, Megatron-LM's megatron.training: megatron_training.py). Importing
+MindSpeed (branch core_r0.16.0, pinned, against torch_npu 2.10.0.post4; the previous line's 26.1.0_core_r0.12.1 and
+2.2.0_core_r0.12.1 against torch_npu 2.7.1) is written for a real torch_npu with CANN (and, core_r0.16.0 and 26.1.0,
+Megatron-LM's megatron.training: megatron_training.py). Importing
 ``mindspeed.megatron_adaptor`` and letting it patch megatron-core touches more of torch_npu than our training
 code does. Each piece below was found by importing the unmodified MindSpeed under the shim, one fresh process per
 attempt, and adding a stand-in only where something failed (docs/device-shim.md lists them with the MindSpeed call
@@ -40,7 +41,8 @@ _MODULES = (
     "torchair.ge",
     "acl",
 )
-CANN_VERSION = "8.3.RC1"  # the CANN that torch_npu 2.7.1 (SHIM_VERSION) pairs with in the pinned stack
+CANN_VERSION = "9.1.0"  # the CANN torch_npu 2.10.0.post4 (SHIM_VERSION) pairs with in the pinned stack; MindSpeed
+# reads it only to pick paths for CANN <= 8.0.RC2 (below), the same answer for the previous line's 8.3.RC1
 _saved: dict[str, Any] | None = None  # what install replaced; None when not installed
 _finder: importlib.abc.MetaPathFinder | None = None
 

@@ -3,7 +3,7 @@
 :func:`install_npu` puts two module objects into place:
 
 * ``torch_npu`` (``sys.modules["torch_npu"]``): the fused ops of :mod:`.npu_ops` as attributes, ``npu`` (the
-  device module), ``__version__ = "2.7.1+cpushim"`` and ``_gspo_shim = True`` so code can tell it is emulated.
+  device module), ``__version__ = "2.10.0.post4+cpushim"`` and ``_gspo_shim = True`` so code can tell it is emulated.
 * the device module: ``torch.npu``, ``sys.modules["torch.npu"]`` and ``sys.modules["torch_npu.npu"]``, with
   the documented ``torch_npu.npu`` API (device, memory, RNG, streams/events, AMP, info functions).
 
@@ -42,7 +42,7 @@ import torch
 
 from . import npu_ops
 
-SHIM_VERSION = "2.7.1+cpushim"  # torch_npu 2.7.1 is the CANN 8.3.RC1 pairing of verl's pinned stack
+SHIM_VERSION = "2.10.0.post4+cpushim"  # the pinned torch_npu (requirements-npu.txt), whose ops the shim emulates
 DEVICE_NAME = "Ascend910B-cpushim"
 SOC_VERSION = 220  # Ascend910B1; the A2 range is 220-225
 DEFAULT_DEVICE_COUNT = 8
@@ -402,7 +402,7 @@ def set_autocast_dtype(dtype: torch.dtype) -> None:
     _amp["dtype"] = dtype
 
 
-# Only names torch_npu 2.7.1's torch_npu.npu binds (its __all__ and imports, star imports included:
+# Only names the pinned torch_npu's (2.10.0.post4) torch_npu.npu binds (its __all__ and imports, star imports included:
 # get_soc_version comes from `from ._backends import *`; tests/conformance checks it against the wheel).
 _DEVICE_API = (
     "is_available", "is_initialized", "init", "device_count", "set_device", "current_device", "device",
@@ -470,9 +470,13 @@ def build_device_module() -> types.ModuleType:
     module.__all__ = list(_DEVICE_API)
     module._gspo_shim = True
     module.__path__ = []  # a package: torch_npu.npu.streams resolves through sys.modules
-    # torch_npu.npu.streams: where torch_npu 2.7.1 defines Stream / Event (vllm-ascend imports Event from it)
+    # torch_npu.npu.streams: where torch_npu (2.7.1, 2.10.0.post4) defines Stream / Event (vllm-ascend imports Event)
     module.streams = _new_module("torch_npu.npu.streams", "CPU-shim stand-in for torch_npu.npu.streams.")
     module.streams.Stream, module.streams.Event = Stream, Event
+    # torch_npu.npu.mstx (`from .mstx import mstx` in torch_npu/npu/__init__.py): a class, not a module
+    from .npu_mstx import mstx
+
+    module.mstx = mstx
     return module
 
 

@@ -1,7 +1,9 @@
-"""The real MindSpeed (branch 2.2.0_core_r0.12.1) on CPU under the device shim.
+"""The real MindSpeed on CPU under the device shim.
 
-These tests run only where MindSpeed is installed: ``bash scripts/check_mindspeed.sh`` builds ``.venv-mindspeed/``
-(torch 2.7.1, megatron-core 0.12.1, transformers 4.57.6, mbridge 0.13.1, MindSpeed from source) and runs them.
+These tests run only where MindSpeed is installed: ``bash scripts/check_mindspeed.sh`` builds the venv of a branch
+(core_r0.16.0, the pinned line's: ``.venv-mindspeed-16/`` with torch 2.10.0, megatron-core 0.16.0, transformers
+5.5.4, mbridge 0.15.1; ``--branch 26.1.0`` / ``2.2.0``: the previous line's, torch 2.7.1 and megatron-core 0.12.1;
+MindSpeed from source in each) and runs them.
 Elsewhere (CI's ``.venv``) every test here is skipped. MindSpeed runs in fresh subprocesses
 (``mindspeed_worker.py``): its adaptor patches the whole process and registers a torch library at import.
 """
@@ -19,7 +21,7 @@ import pytest
 
 from tests.conftest import REPO
 
-SKIP_REASON = "needs the real MindSpeed: run `bash scripts/check_mindspeed.sh` (builds .venv-mindspeed/)"
+SKIP_REASON = "needs the real MindSpeed: run `bash scripts/check_mindspeed.sh` (builds .venv-mindspeed-16/)"
 
 
 def _mindspeed_installed() -> bool:

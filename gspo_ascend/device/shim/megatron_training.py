@@ -88,6 +88,18 @@ def _not_emulated(qualname: str):
     return function
 
 
+def _uninitialised_getter(global_vars: types.ModuleType, variable: str, what: str):
+    """Megatron-LM's ``get_args`` / ``get_timers``: the global, asserted set first with Megatron-LM's message
+    (``_ensure_var_is_initialized``: "args is not initialized.", which MindSpeed's ``get_full_args`` matches)."""
+
+    def getter():
+        value = getattr(global_vars, variable)
+        assert value is not None, f"{what} is not initialized."
+        return value
+
+    return getter
+
+
 def build() -> dict[str, types.ModuleType]:
     """The stand-in modules by name (the caller puts them into sys.modules and removes them again)."""
     modules = {"megatron.training": _module("megatron.training", package=True)}
@@ -98,24 +110,14 @@ def build() -> dict[str, types.ModuleType]:
         modules[name] = module
         setattr(modules["megatron.training"], name.rsplit(".", 1)[-1], module)
     global_vars = modules["megatron.training.global_vars"]
-    global_vars._GLOBAL_ARGS = None
-
-    def get_args():
-        assert global_vars._GLOBAL_ARGS is not None, "args is not initialized."  # Megatron-LM's message
-        return global_vars._GLOBAL_ARGS
-
-    global_vars.get_args = get_args
-    modules["megatron.training"].get_args = get_args
     # core_r0.16.0's fb-overlap package imports get_timers too (fb_overlap/vpp_schedules.py:8, reached through its
     # __init__ from the GMM experts); only its interleaved pipeline schedule calls it, which our engines never run
-    global_vars._GLOBAL_TIMERS = None
-
-    def get_timers():
-        assert global_vars._GLOBAL_TIMERS is not None, "timers is not initialized."  # Megatron-LM's message
-        return global_vars._GLOBAL_TIMERS
-
-    global_vars.get_timers = get_timers
-    modules["megatron.training"].get_timers = get_timers
+    for getter, variable, what in (("get_args", "_GLOBAL_ARGS", "args"), ("get_timers", "_GLOBAL_TIMERS", "timers")):
+        setattr(global_vars, variable, None)
+        function = _uninitialised_getter(global_vars, variable, what)
+        function.__name__ = function.__qualname__ = getter
+        setattr(global_vars, getter, function)
+        setattr(modules["megatron.training"], getter, function)
     return modules
 
 

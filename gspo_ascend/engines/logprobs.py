@@ -24,9 +24,11 @@ and skips the LM head on prompt tokens in both layouts. Log-probs at response pa
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from gspo_ascend.engines import packed_attention
+from gspo_ascend.engines import fused_logprob, packed_attention
 from gspo_ascend.engines.base import SampleBatch
 
 # rows upcast per step: [1024, V] float32 is ~0.6 GiB at Qwen's V = 152k (without grad only one chunk lives at a
@@ -111,28 +113,36 @@ def packed_row(prompts, responses) -> tuple[list[int], list[int], _Targets]:
     return ids, pos, targets
 
 
-def _packed_logits(model, prompts, responses, device) -> tuple[torch.Tensor, _Targets]:
+class _Kept:
+    """One forward's inputs, the label at each position the LM head runs on (shaped like those positions), and
+    how the [n_targets] outputs are picked from the head's output (in the order of ``targets.labels``)."""
+
+    def __init__(self, inputs: dict, labels: torch.Tensor, pick, targets: _Targets) -> None:
+        self.inputs, self.labels, self.pick, self.targets = inputs, labels, pick, targets
+
+
+def _packed_inputs(model, prompts, responses, device) -> _Kept:
     """One row holding every sequence; position_ids restart per sequence -> block-diagonal causal mask."""
     ids, pos, targets = packed_row(prompts, responses)
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    with packed_attention.packed_forward():
-        logits = model(
-            input_ids=torch.tensor([ids], device=device),
-            position_ids=torch.tensor([pos], device=device),
-            use_cache=False,  # a cache (or a 2-D mask) would switch off transformers' packed-sequence mask
-            logits_to_keep=torch.tensor(targets.keep or [0], device=device),
-            **packed_attention.forward_kwargs(model, lengths),  # per-sequence attention where enabled
-        ).logits
-    return logits[0], targets  # [len(keep), V], in the order of targets.labels
+    inputs = {
+        "input_ids": torch.tensor([ids], device=device),
+        "position_ids": torch.tensor([pos], device=device),
+        "use_cache": False,  # a cache (or a 2-D mask) would switch off transformers' packed-sequence mask
+        "logits_to_keep": torch.tensor(targets.keep or [0], device=device),
+        **packed_attention.forward_kwargs(model, lengths),  # per-sequence attention where enabled
+    }
+    labels = torch.tensor([targets.labels or [0]], device=device)  # [1, kept]
+    return _Kept(inputs, labels, lambda out: out[0], targets)
 
 
-def _padded_logits(model, prompts, responses, device, pad_id: int) -> tuple[torch.Tensor, _Targets]:
+def _padded_inputs(model, prompts, responses, device, pad_id: int) -> _Kept:
     """Right-padded [B, T] with an attention mask; the LM head runs on the union window of response
     positions [min prompt length - 1, max sequence length - 1)."""
     seqs = [list(p) + r for p, r in zip(prompts, responses, strict=True)]
     b, width = len(seqs), max(len(s) for s in seqs)
     lo = min(len(p) for p in prompts) - 1
-    hi = max(len(s) for s in seqs) - 1
+    hi = max(max(len(s) for s in seqs) - 1, lo + 1)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
     targets = _Targets()
@@ -140,16 +150,19 @@ def _padded_logits(model, prompts, responses, device, pad_id: int) -> tuple[torc
         input_ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
         targets.add(i, len(prompt) - 1 - lo, resp)  # index inside the kept window
-    logits = model(
-        input_ids=input_ids.to(device),
-        attention_mask=attention.to(device),
-        position_ids=torch.arange(width, device=device).expand(b, width),
-        use_cache=False,
-        logits_to_keep=torch.arange(lo, max(hi, lo + 1), device=device),
-    ).logits  # [B, K, V]
+    labels = torch.zeros((b, hi - lo), dtype=torch.long)  # window positions that predict nothing: label 0, unread
+    labels[targets.rows, targets.keep] = torch.tensor(targets.labels, dtype=torch.long)
+    inputs = {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention.to(device),
+        "position_ids": torch.arange(width, device=device).expand(b, width),
+        "use_cache": False,
+        "logits_to_keep": torch.arange(lo, hi, device=device),
+    }
     if not targets.rows:
-        return logits[0, :1], targets
-    return logits[torch.tensor(targets.rows, device=device), torch.tensor(targets.keep, device=device)], targets
+        return _Kept(inputs, labels.to(device), lambda out: out[0, :1], targets)
+    index = (torch.tensor(targets.rows, device=device), torch.tensor(targets.keep, device=device))
+    return _Kept(inputs, labels.to(device), lambda out: out[index], targets)
 
 
 def forward_log_probs(
@@ -158,6 +171,8 @@ def forward_log_probs(
     """[B, R] float32 (float64 for a float64 model) log-probs of ``batch.response_ids`` (0 at padding), on
     the model's device.
 
+    Where the model's head allows (engines/fused_logprob.py), the LM head itself returns the log-probs, chunked,
+    never the [N, V] logits; otherwise the logits at the kept positions go through :func:`token_log_probs`.
     Always runs exactly one forward, even when no sample has a response token (then the result is 0 but
     still connected to the graph), because under FSDP every rank must take part in every forward/backward.
     """
@@ -165,9 +180,19 @@ def forward_log_probs(
     responses = [row[:n] for row, n in zip(batch.response_ids.tolist(), lengths, strict=True)]
     device = _model_device(model)
     if packed:
-        selected, targets = _packed_logits(model, batch.prompt_ids, responses, device)
+        kept = _packed_inputs(model, batch.prompt_ids, responses, device)
     else:
-        selected, targets = _padded_logits(model, batch.prompt_ids, responses, device, pad_id)
-    labels = torch.tensor(targets.labels or [0], device=device)[: selected.shape[0]]
-    lp = token_log_probs(selected, labels, temperature)
-    return _scatter(lp, targets.rows, targets.cols, tuple(batch.response_ids.shape))
+        kept = _padded_inputs(model, batch.prompt_ids, responses, device, pad_id)
+    with packed_attention.packed_forward() if packed else contextlib.nullcontext():
+        lp = head_log_probs(model, kept.inputs, kept.labels, temperature, kept.pick)
+    return _scatter(lp, kept.targets.rows, kept.targets.cols, tuple(batch.response_ids.shape))
+
+
+def head_log_probs(model, inputs: dict, labels: torch.Tensor, temperature: float, pick) -> torch.Tensor:
+    """One forward of ``model(**inputs)`` -> the log-probs of ``labels`` (shaped like the positions the LM head runs
+    on), picked by ``pick``: from the LM head's input where the head allows (engines/fused_logprob.py), else from
+    the logits (also the Ulysses path's, engines/ulysses.py)."""
+    if fused_logprob.supported(model):
+        with fused_logprob.log_prob_head(model, labels, temperature):
+            return pick(model(**inputs).logits)
+    return token_log_probs(pick(model(**inputs).logits), pick(labels), temperature)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from gspo_ascend.engines import packed_attention
 from gspo_ascend.engines.base import SampleBatch
-from gspo_ascend.engines.logprobs import _scatter, packed_row, response_lengths, token_log_probs
+from gspo_ascend.engines.logprobs import _scatter, head_log_probs, packed_row, response_lengths
 from gspo_ascend.engines.megatron_cp import sum_over_cp
 
 KEY = "actor.ulysses_sequence_parallel_size"
@@ -250,16 +250,16 @@ def forward_log_probs(
     cu_seq_lens = torch.tensor([0, *ends], dtype=torch.int32)  # on the host: read as a list in every layer
     row = SPRow(sp.group, sp.size, torch.tensor([pos], device=device), cu_seq_lens)
     layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-    logits = model(
-        input_ids=torch.tensor([ids[first:end]], device=device),
-        position_ids=torch.tensor([pos[first:end]], device=device),
-        attention_mask=dict.fromkeys(layer_types),  # a ready mask mapping: the model builds no mask for the slice
-        use_cache=False,
-        logits_to_keep=torch.tensor([targets.keep[j] - first for j in mine] or [0], device=device),
-        ulysses=row,
-    ).logits[0]
-    labels = torch.tensor([targets.labels[j] for j in mine] or [0], device=device)[: logits.shape[0]]
-    lp = token_log_probs(logits, labels, temperature)
+    inputs = {
+        "input_ids": torch.tensor([ids[first:end]], device=device),
+        "position_ids": torch.tensor([pos[first:end]], device=device),
+        "attention_mask": dict.fromkeys(layer_types),  # a ready mask mapping: the model builds no mask for the slice
+        "use_cache": False,
+        "logits_to_keep": torch.tensor([targets.keep[j] - first for j in mine] or [0], device=device),
+        "ulysses": row,
+    }
+    labels = torch.tensor([[targets.labels[j] for j in mine] or [0]], device=device)  # [1, kept]
+    lp = head_log_probs(model, inputs, labels, temperature, lambda out: out[0])
     rows, cols = [targets.rows[j] for j in mine], [targets.cols[j] for j in mine]
     local = _scatter(lp, rows, cols, tuple(batch.response_ids.shape))
     return sum_over_cp(local, sp.group)  # the megatron engine's CP sum: all-reduce, identity backward

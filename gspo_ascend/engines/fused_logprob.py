@@ -1,0 +1,127 @@
+"""Log-probs straight from the LM head's input: ``log_softmax(h W^T / T)[y]`` in row chunks, never the [N, V] logits.
+
+The plain path (:func:`gspo_ascend.engines.logprobs.token_log_probs`) takes the model's logits: the LM head writes
+[N, V] in the compute dtype, each chunk is upcast to float32, and under autograd every chunk's float32 copy stays
+alive for logsumexp's backward, so a training forward holds the whole [N, V] in float32 beside the compute-dtype
+logits (at Qwen's V = 152k and a 16k-token micro-batch: 10 GB + 5 GB). Here one autograd function takes the
+hidden states and the LM head's weight instead and, per chunk of rows, computes the chunk's logits, upcasts them,
+keeps only each row's logsumexp and the picked log-prob, and drops the chunk; backward recomputes each chunk's
+logits (one more LM-head matmul) and forms ``d logits = g (onehot(y) - softmax) / T`` chunk by chunk. Peak: one
+[chunk, V] float32 block, in forward and backward.
+
+How it is reached: inside the model's own forward. :func:`log_prob_head` swaps the forward of the model's output
+embedding (``lm_head``) for the duration of one call, so FSDP2's hooks on the root unit (which gather ``lm_head``'s
+weight and reduce its gradient) run as they always do, and what the model returns as ``logits`` is the
+[..., kept positions] log-probs. Models whose logits are more than a bias-free linear map of the last hidden states
+(a bias, Gemma's final logit soft-capping, a scaled head) keep the plain path (:func:`supported`).
+
+Numerics equal the plain path's: the chunk's logits come from the same matmul in the compute dtype, upcast, divided
+by T; float64 stays float64. Gradients are cast to the compute dtype before the two matmuls, as the plain path's
+autograd does at its upcast. Tested against the plain path (float32 to 1e-6, forward and gradients) in
+tests/unit/test_fused_logprob.py.
+
+How we differ from verl: verl's ``FusedLinearForPPO`` (verl/utils/experimental/torch_functional.py) is the same
+idea, computed outside the model's forward from the returned hidden states (it also returns the entropy; we log
+none, so we compute none); here the head runs inside the forward, so the FSDP2 unit owning ``lm_head`` needs no
+special handling, and only the positions ``logits_to_keep`` selects reach it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+# rows per chunk: [1024, V] float32 is 0.6 GiB at V = 152k, as the plain path's chunk; backward holds three such
+# blocks (logits, softmax, a temporary) and the chunk's logits in the compute dtype. The planner counts the same
+# (doctor/planner.py FUSED_CHUNK_ROWS)
+CHUNK_ROWS = 1024
+
+
+class _LinearLogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature: float, chunk: int):  # [..., H], [V, H], [...] -> [...]
+        # the output is a fresh tensor of the labels' shape, not a view of a flat one: a model forward returning a
+        # view draws FSDP2's in-place warning
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        out = hidden.new_empty(labels.shape, dtype=dtype)
+        flat_h, flat_y, flat_out = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), out.view(-1)
+        lse = hidden.new_empty(flat_y.shape, dtype=dtype)
+        for start in range(0, flat_h.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            x = _chunk_logits(flat_h[rows], weight, temperature, dtype)
+            lse[rows] = torch.logsumexp(x, dim=-1)
+            flat_out[rows] = x.gather(-1, flat_y[rows, None]).squeeze(-1) - lse[rows]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        t, dtype = ctx.temperature, lse.dtype
+        flat_h, flat_y, flat_g = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), grad_out.reshape(-1)
+        grad_hidden = torch.empty_like(flat_h) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, flat_h.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            x = _chunk_logits(flat_h[rows], weight, t, dtype)
+            g = flat_g[rows].to(dtype)
+            d = torch.exp(x - lse[rows, None]).mul_(-g[:, None])  # -g softmax
+            d.scatter_add_(-1, flat_y[rows, None], g[:, None])  # + g onehot(y)
+            if t != 1.0:
+                d.div_(t)
+            d = d.to(hidden.dtype)  # the plain path's autograd casts here too (the upcast's backward)
+            if grad_hidden is not None:
+                grad_hidden[rows] = d @ weight
+            if grad_weight is not None:
+                grad_weight += (d.t() @ flat_h[rows]).to(dtype)
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.view(hidden.shape)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype):
+    x = (hidden @ weight.t()).to(dtype)
+    return x / temperature if temperature != 1.0 else x
+
+
+def linear_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk: int = CHUNK_ROWS
+) -> torch.Tensor:
+    """log_softmax(hidden @ weight.T / T)[labels] in float32 (float64 for float64 inputs), chunked by rows.
+
+    # [..., H], [V, H], [...] -> [...]
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} for hidden states {tuple(hidden.shape)}")
+    return _LinearLogProb.apply(hidden, weight, labels, float(temperature), chunk)
+
+
+def supported(model: torch.nn.Module) -> bool:
+    """Whether the model's logits are exactly ``lm_head(last hidden states)`` with a bias-free linear head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    scaled = any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "output_multiplier"))
+    return type(head) is torch.nn.Linear and head.bias is None and not scaled
+
+
+@contextlib.contextmanager
+def log_prob_head(model: torch.nn.Module, labels: torch.Tensor, temperature: float) -> Iterator[None]:
+    """Inside the body, the model's ``logits`` are the log-probs of ``labels`` (shaped like the kept positions:
+    ``labels`` must have the shape of the LM head's input without its hidden dimension). One forward only."""
+    head = model.get_output_embeddings()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        return linear_log_probs(hidden, head.weight, labels, temperature)
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+    try:
+        yield
+    finally:
+        del head.forward

@@ -1,0 +1,124 @@
+"""The fused LM-head log-prob (engines/fused_logprob.py) against full logits.
+
+Expected values: ``log_softmax(h W^T / T)[y]`` from full float64 logits (autograd for the gradients), and the plain
+path (model logits -> token_log_probs) on the tiny Qwen3, which the fused path must equal and must replace.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_ascend.engines import fused_logprob
+from gspo_ascend.engines.fused_logprob import linear_log_probs
+from gspo_ascend.engines.logprobs import forward_log_probs
+from tests.unit.fsdp_worker import make_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+def _inputs(dtype, n=13, h=8, v=29, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    return hidden, weight, torch.randint(0, v, (n,), generator=g), torch.randn(n, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("chunk", [4, 2048])  # 13 rows in chunks of 4, 4, 4, 1; and in one chunk
+def test_values_and_gradients_are_log_softmax_at_the_label(chunk):
+    hidden, weight, labels, upstream = _inputs(torch.float64)
+    expected = torch.log_softmax(hidden @ weight.t() / 0.7, -1).gather(-1, labels[:, None]).squeeze(-1)
+    want = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
+    got = linear_log_probs(hidden, weight, labels, 0.7, chunk=chunk)
+    assert got.dtype == torch.float64
+    assert (got - expected).abs().max() < 1e-12
+    grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    for g, w in zip(grads, want, strict=True):
+        assert (g - w).abs().max() < 1e-12
+
+
+def test_bf16_inputs_give_float32_log_probs_within_bf16_rounding():
+    hidden, weight, labels, upstream = _inputs(torch.bfloat16)
+    got = linear_log_probs(hidden, weight, labels, 1.0, chunk=4)
+    assert got.dtype == torch.float32
+    exact = torch.log_softmax(hidden.double() @ weight.double().t(), -1).gather(-1, labels[:, None]).squeeze(-1)
+    # logits are rounded to bf16 (8 bits) by the matmul, as the plain path's are: |logit| ~ 3 -> 2^-7 * 3 each
+    assert (got.double() - exact).abs().max() < 0.1
+    gh, gw = torch.autograd.grad((got * upstream.float()).sum(), (hidden, weight))
+    assert gh.dtype == gw.dtype == torch.bfloat16
+
+
+def test_refuses_a_non_positive_temperature():
+    hidden, weight, labels, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="temperature"):
+        linear_log_probs(hidden, weight, labels, 0.0)
+
+
+def _plain_model(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+
+
+def _vocab_sized_linear_calls(model, monkeypatch) -> list[int]:
+    """Counts calls of the LM head's own (class) forward: the [N, V] logits the fused path never makes."""
+    calls: list[int] = []
+    original = torch.nn.Linear.forward
+
+    def counting(self, x):
+        if self.out_features == model.config.vocab_size:
+            calls.append(x.shape[-2] if x.dim() > 1 else 1)
+        return original(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counting)
+    return calls
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_model_forward_takes_the_fused_head_and_equals_the_plain_path(model_path, packed, monkeypatch):
+    batch = make_batch(6, 6, seed=4)
+    model = _plain_model(model_path)
+    assert fused_logprob.supported(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(batch.response_ids.shape, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        lp = forward_log_probs(model, batch, 0.8, packed=packed)
+        return lp, torch.autograd.grad((lp * weights).sum(), params)
+
+    calls = _vocab_sized_linear_calls(model, monkeypatch)
+    fused, fused_grads = run()
+    assert calls == []  # the head never produced logits: the fused path was taken
+    monkeypatch.setattr(fused_logprob, "supported", lambda m: False)
+    plain, plain_grads = run()
+    assert calls  # the plain path does run the head
+    assert model.get_output_embeddings().forward.__func__ is torch.nn.Linear.forward  # the swap was undone
+    assert ((fused - plain).abs() <= 1e-6 * plain.abs().clamp_min(1.0)).all()
+    for f, p in zip(fused_grads, plain_grads, strict=True):
+        assert (f - p).abs().max() <= 1e-6 * p.abs().max().clamp_min(1.0)
+
+
+def test_heads_that_are_not_a_bias_free_linear_keep_the_plain_path(model_path):
+    model = _plain_model(model_path)
+    model.config.final_logit_softcapping = 30.0
+    assert not fused_logprob.supported(model)
+    model.config.final_logit_softcapping = None
+    head = model.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    assert not fused_logprob.supported(model)
+
+
+def test_an_empty_batch_still_runs_one_connected_forward(model_path):
+    batch = make_batch(2, 4, seed=5)
+    batch.response_mask.zero_()
+    model = _plain_model(model_path)
+    lp = forward_log_probs(model, batch, 1.0, packed=True)
+    assert torch.equal(lp, torch.zeros_like(lp)) and lp.requires_grad
+    lp.sum().backward()  # every FSDP rank must take part in the backward, even with nothing to train

@@ -99,6 +99,10 @@ class ActorConfig:
     use_remove_padding: bool = True  # packed (padding-free) forward passes; False = right-padded batches
     offload: bool = False  # params/grads/optimizer to host between phases when colocated with rollout
     use_mc2: bool = False  # Ascend MC2 fused matmul+collective (MindSpeed --use-ascend-mc2): TP 2/4/8 + SP
+    # fsdp engine: on = ZeRO-3 (layers re-gathered in backward, gradients reduced per micro-batch); off = layers
+    # kept gathered through the minibatch, gradients reduced once; auto = off where the planner says it fits
+    # (docs/engines.md)
+    fsdp_reshard_after_forward: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass
@@ -539,6 +543,16 @@ def _ulysses_layout(cfg: Config) -> Iterable[str]:
         yield (
             f"config key '{key}' ({sp}) must divide the number of devices ({world} = trainer.nnodes x "
             "trainer.devices_per_node)"
+        )
+
+
+@validator
+def _fsdp_reshard(cfg: Config) -> Iterable[str]:
+    """The FSDP2 resharding choice exists in the fsdp engine only (megatron shards by its distributed optimizer)."""
+    mode = cfg.actor.fsdp_reshard_after_forward
+    if mode != "auto" and cfg.actor.engine != "fsdp":
+        yield (
+            f"config key 'actor.fsdp_reshard_after_forward' ({mode}) is the fsdp engine's: leave it auto with megatron"
         )
 
 

@@ -86,6 +86,28 @@ class Backend:
             "reserved": mod.memory_reserved(),
         }
 
+    def total_memory(self, index: int = 0) -> int | None:
+        """Bytes of memory of device ``index``; None on the host and the emulated NPU (no device memory to plan by)."""
+        mod = self.module()
+        if mod is None or self.emulated:
+            return None
+        return int(mod.get_device_properties(index).total_memory)
+
+    def avoid_per_shape_attention_plans(self) -> bool:
+        """Keep SDPA off backends that build a plan per shape; returns whether anything was switched (process-wide).
+
+        On CUDA, SDPA's cuDNN backend (first in torch's priority on sm90+) builds and caches an execution plan per
+        exact sizes and strides of q / k / v (aten/src/ATen/native/cudnn/MHA.cpp). RL's shapes change every
+        micro-batch and the packed path's per-sequence views carry the row's strides, so every call built one: the
+        H100's 9.5-13.2 s update of a 22M model that fp32 (no cuDNN) ran in 0.7-0.9 s (docs/results/gpu/README.md).
+        The flash and memory-efficient backends keep no plan. NPU's fused attention and CPU have no such cache."""
+        if self.name != "cuda" or self.emulated:
+            return False
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        return True
+
     def manual_seed(self, seed: int) -> None:
         import torch
 

@@ -138,8 +138,19 @@ def activations(cfg, spec: ModelSpec, layers: range, tp: int, inflight: int) -> 
 
 
 def logits_bytes(cfg, spec: ModelSpec, tp: int) -> int:
-    """Logits for the log-probs: model-dtype logits plus fp32 log-softmax, vocabulary sharded by TP."""
-    return micro_tokens(cfg) * (spec.vocab // tp) * (ELEMENT_BYTES[cfg.model.dtype] + 4)
+    """Logits for the log-probs: model-dtype logits plus fp32 log-softmax, vocabulary sharded by TP. The fsdp
+    engine takes its log-probs from the LM head's input in chunks of FUSED_CHUNK_ROWS rows
+    (engines/fused_logprob.py): at most one chunk's logits in the model dtype and three fp32 [chunk, V] blocks
+    (logits, softmax, a temporary) live, in backward; a model whose head is not a bias-free linear map (none of the
+    planner's families) would take the full-logits path."""
+    e = ELEMENT_BYTES[cfg.model.dtype]
+    if cfg.actor.engine == "fsdp":
+        return min(micro_tokens(cfg), FUSED_CHUNK_ROWS) * spec.vocab * (e + 12)
+    return micro_tokens(cfg) * (spec.vocab // tp) * (e + 4)
+
+
+# engines/fused_logprob.py's CHUNK_ROWS (the doctor imports no engine: a test holds the two equal)
+FUSED_CHUNK_ROWS = 1024
 
 
 def _optimizer_bytes_per_param(cfg) -> int:
@@ -188,33 +199,66 @@ def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
     return Phase("training", where, parts, notes)
 
 
-def fsdp_train(cfg, spec: ModelSpec) -> Phase:
-    """FSDP (ZeRO-3): fp32 params, fp32 grads and Adam sharded over every rank (16 B/param / world); the
-    working set is the gathered root (embeddings, final norm, lm_head) plus two layers (current + prefetch)."""
+# actor.fsdp_reshard_after_forward=auto keeps the layers gathered when the plan with them gathered (and their fp32
+# gradients unsharded) stays within this share of the device: the rest is the margin the plan does not see
+# (allocator fragmentation, the communicators on GPU)
+KEEP_GATHERED_SHARE = 0.8
+
+
+def fsdp_train(cfg, spec: ModelSpec, usable: int | None = None, world: int | None = None) -> Phase:
+    """FSDP2: fp32 params, fp32 grads and Adam sharded over every rank (16 B/param / world); the working set is,
+    resharding after forward (ZeRO-3), the gathered root (embeddings, final norm, lm_head) plus two layers (current +
+    prefetch), or, keeping the layers gathered (:func:`fsdp_keeps_gathered`), every parameter in the compute dtype
+    and the minibatch's gradients accumulated unsharded in fp32 until its last micro-batch."""
     lay, e, p = layout(cfg), ELEMENT_BYTES[cfg.model.dtype], spec.total_params
+    world = world or lay.world
     sp_note = f" (Ulysses SP {lay.sp}: this device's 1/{lay.sp} of the group's row)" if lay.sp > 1 else ""
+    kept = fsdp_keeps_gathered(cfg, spec, usable, world)
     root = spec.embedding_params * (1 if spec.tied else 2) + spec.hidden
-    gathered = e * (root + 2 * max(spec.layer_params(i) for i in range(spec.layers)))
+    layers = spec.layers if kept else 2
+    # kept gathered: the unsharded fp32 gradients too (transient: freed by the minibatch's reduce-scatter)
+    gathered = e * (root + layers * max(spec.layer_params(i) for i in range(spec.layers))) + (4 * p if kept else 0)
     parts = {
-        "weights": -(-4 * p // lay.world),
-        "gradients": -(-4 * p // lay.world),
-        "optimizer": -(-8 * p // lay.world),
+        "weights": -(-4 * p // world),
+        "gradients": -(-4 * p // world),
+        "optimizer": -(-8 * p // world),
         "gathered": gathered,
         "activations": activations(cfg, spec, range(spec.layers), 1, 1),
         "logits": logits_bytes(cfg, spec, 1),
     }
     notes = {
-        "weights": f"fp32 shards of {p:,} params over {lay.world} ranks",
-        "gathered": "bf16 root (embeddings, lm_head) + 2 layers",
+        "weights": f"fp32 shards of {p:,} params over {world} ranks",
+        "gathered": (
+            "every layer, kept gathered, + the fp32 gradients the micro-batches accumulate unsharded"
+            if kept
+            else "root (embeddings, lm_head) + 2 layers in the compute dtype"
+        )
+        + f" (actor.fsdp_reshard_after_forward={cfg.actor.fsdp_reshard_after_forward})",
         "activations": f"{spec.layers} layers x 1 micro-batch of {micro_tokens(cfg)} tokens, "
         f"recompute {recompute_mode(cfg)}{sp_note}",
     }
     return Phase("training", "every device", parts, notes)
 
 
-def train_phase(cfg, spec: ModelSpec) -> Phase:
+def fsdp_keeps_gathered(cfg, spec: ModelSpec, usable: int | None, world: int) -> bool:
+    """``actor.fsdp_reshard_after_forward`` resolved: ``off`` keeps every layer gathered from its forward through
+    the minibatch's last backward (no re-gather per micro-batch, one gradient reduce-scatter per minibatch);
+    ``on`` reshards (ZeRO-3). ``auto``: gathered on one rank (sharding over one rank saves nothing) and wherever
+    the plan with the layers gathered fits in KEEP_GATHERED_SHARE of the device's ``usable`` bytes (unknown: on)."""
+    mode = cfg.actor.fsdp_reshard_after_forward
+    if mode != "auto":
+        return mode == "off"
+    if world == 1:
+        return True
+    if usable is None:
+        return False
+    kept = with_value(cfg, "actor.fsdp_reshard_after_forward", "off")
+    return fsdp_train(kept, spec, usable, world).total <= KEEP_GATHERED_SHARE * usable
+
+
+def train_phase(cfg, spec: ModelSpec, usable: int | None = None) -> Phase:
     if cfg.actor.engine == "fsdp":
-        return fsdp_train(cfg, spec)
+        return fsdp_train(cfg, spec, usable)
     stages = {0, layout(cfg).pp - 1}
     return max((megatron_stage(cfg, spec, s) for s in sorted(stages)), key=lambda ph: ph.total)
 
@@ -420,7 +464,7 @@ def _add_communicators(cfg, spec: ModelSpec, train: Phase, rollout: Phase) -> in
 
 def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
     usable = (hw.hbm_mib - hw.reserved_mib) * 2**20
-    train = train_phase(cfg, spec)
+    train = train_phase(cfg, spec, usable)
     rollout, kv_tokens = rollout_phase(cfg, spec, hw, train)
     comms = _add_communicators(cfg, spec, train, rollout) if hw.platform == "npu" else 0
     sync = sync_phase(cfg, spec, train, comms)

@@ -86,6 +86,7 @@ class FSDPEngine:
         self.owns_process_group = ensure_process_group(backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = select_device(backend, self.rank)
+        backend.avoid_per_shape_attention_plans()  # packed shapes change every micro-batch (device/__init__.py)
         from torch.distributed.device_mesh import init_device_mesh
 
         # FSDP shards over every rank, SP ranks included (verl does the same); SP groups are a second mesh's rows
@@ -94,6 +95,7 @@ class FSDPEngine:
         self.reports = self.sp is None or self.sp.rank == 0  # one rank per SP group records loss metrics
         self.master_dtype = master_dtype
         self.compute_dtype = master_dtype if cfg.model.dtype == "float32" else _DTYPES[cfg.model.dtype]
+        self.keep_gathered = self._keeps_gathered(model_path)
         self.model, self.tied_names = self._build_model(model_path, trainable=True)
         # FSDP averages gradients over all ranks and the loss is normalised globally, so the loss is scaled by
         # the world size to undo the average; where the reduction sums instead, it is not (_dp_reduce_averages).
@@ -102,7 +104,9 @@ class FSDPEngine:
         self.ref_model = self._build_model(model_path, trainable=False)[0] if cfg.algorithm.kl_coef > 0 else None
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         a = cfg.actor
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=True)
+        # fused: one kernel over every tensor (CUDA, CPU, and NPU, whose torch_npu registers _fused_adamw_ for
+        # PrivateUse1: npu_native_functions_by_codegen.yaml in the 2.7.1 and 2.10 wheels); on CPU 10x foreach's step
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(a.warmup_steps))
         self.policy_loss = engine_policy_loss(cfg, backend)  # an attribute so tests can wrap it
         self.nan_steps_total = 0
@@ -146,7 +150,9 @@ class FSDPEngine:
         layer_types = set(getattr(model, "_no_split_modules", None) or ())
         units = [module for module in model.modules() if type(module).__name__ in layer_types]
         for unit in [*units, model]:  # one FSDP unit per decoder layer, then the rest in the root unit
-            fully_shard(unit, mesh=self.mesh, mp_policy=mp)
+            # the root is never resharded after forward (FSDP2's default for it: backward needs it at once)
+            reshard = None if unit is model else not (trainable and self.keep_gathered)
+            fully_shard(unit, mesh=self.mesh, mp_policy=mp, reshard_after_forward=reshard)
             # gloo has no averaging reduce-scatter, and torch 2.8's gloo silently sums for ReduceOp.AVG (DP2
             # gradients came out doubled): have FSDP sum and divide itself, which is exact on every torch
             if self.backend.comm_backend == "gloo" and hasattr(unit, "set_force_sum_reduction_for_comms"):
@@ -169,6 +175,16 @@ class FSDPEngine:
         shape = (self.world_size // size, size)
         group = init_device_mesh(self.backend.torch_device_type, shape, mesh_dim_names=("dp", "sp")).get_group("sp")
         return ulysses.SPGroup(group, size, dist.get_rank(group))
+
+    def _keeps_gathered(self, model_path: str) -> bool:
+        """actor.fsdp_reshard_after_forward, resolved by the planner for this model, world and device memory."""
+        from gspo_ascend.doctor.modelspec import load_spec
+        from gspo_ascend.doctor.planner import fsdp_keeps_gathered
+
+        if self.cfg.actor.fsdp_reshard_after_forward != "auto" or self.world_size == 1:
+            return fsdp_keeps_gathered(self.cfg, None, None, self.world_size)
+        index = self.device.index or 0
+        return fsdp_keeps_gathered(self.cfg, load_spec(model_path), self.backend.total_memory(index), self.world_size)
 
     def _dp_reduce_averages(self) -> bool:
         """Whether FSDP's gradient reduce-scatter averages over the DP ranks. NCCL / HCCL do; on gloo FSDP sums and
@@ -283,7 +299,7 @@ class FSDPEngine:
         micros, plan, passes = self._micro_batches(group)
         out = torch.zeros(tuple(group.response_ids.shape), dtype=torch.float32)
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._resharding():
             for i in range(passes):
                 lp = self._log_probs(self.model, micros[i] if i < len(micros) else self._dummy_batch(), temperature)
                 if i < len(micros):
@@ -321,6 +337,7 @@ class FSDPEngine:
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         norm_length = minibatch.response_ids.shape[1]  # the same T_norm for every micro-batch
         for i in range(passes):
+            self._defer_reduction(last=i == passes - 1)
             if i >= len(micros):
                 (self._log_probs(self.model, self._dummy_batch(), temperature).sum() * 0.0).backward()
                 continue
@@ -331,6 +348,27 @@ class FSDPEngine:
                 record.add(metrics)
         record.skipped = bool(bad)
         return record
+
+    @contextlib.contextmanager
+    def _resharding(self):
+        """Layers kept gathered are resharded by the backward that follows; a forward without one (the old log-probs)
+        reshards them itself, or they would stay gathered into the rollout phase."""
+        if not self.keep_gathered:
+            yield
+            return
+        self.model.set_reshard_after_forward(True)
+        try:
+            yield
+        finally:
+            self.model.set_reshard_after_forward(False)
+
+    def _defer_reduction(self, last: bool) -> None:
+        """With the layers kept gathered, gradients accumulate unsharded in fp32 (FSDP2 upcasts them to the reduce
+        dtype) and are reduce-scattered once, after the minibatch's last backward, which also reshards: no gather,
+        cast or reduce per micro-batch. Resharding (ZeRO-3) reduces every micro-batch, as FSDP2 does by default."""
+        if self.keep_gathered:
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
 
     def _micro_loss(self, micro: SampleBatch, temperature: float, global_tokens, global_seqs, norm_length):
         d = self.device

@@ -70,6 +70,7 @@ class HFRolloutEngine:
             raise ValueError(f"max_batch_size must be > 0 or None, got {max_batch_size}")
         self.backend, self.max_batch_size = backend, max_batch_size
         self.device = backend.device()
+        backend.avoid_per_shape_attention_plans()  # decode shapes change every step (device/__init__.py)
         self.model = _load_model(model_path, DTYPES[dtype], attn_implementation, backend, npu_patches).to(self.device)
         self.model.eval().requires_grad_(False)
         self.tokenizer = _load_tokenizer(tokenizer_path or model_path)

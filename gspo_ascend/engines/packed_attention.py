@@ -15,6 +15,12 @@ implementation once per sequence, causal, unmasked: O(sum of L_i^2), exact (the 
 Any other call (a padded batch, a KV-cache decode, a forward without the keywords) is the inner implementation
 unchanged, with the inner implementation's mask builder.
 
+On CUDA in half precision, ``sdpa`` runs instead as one ``torch.nn.attention.varlen.varlen_attn`` call per layer
+over the whole row (FlashAttention-2 on the cumulative lengths, causal, GQA by repeated KV heads before torch
+2.12): no call per sequence, and no cuDNN plan per sequence shape (see the device layer's
+``avoid_per_shape_attention_plans``). The per-sequence loop stays for CPU and fp32, where varlen_attn has no
+kernel. The NPU path is already one call per layer (npu_fusion_attention TND, patches/npu_attention.py).
+
 Only ``sdpa`` / ``eager`` are wrapped: ``flash_attention_2`` and the NPU patches' ``npu_fusion`` already run
 packed rows as varlen kernels (they read the same keywords or the restarting positions), and Ulysses SP
 (engines/ulysses.py) has its own per-sequence hook, so the fsdp engine enables this only without SP.
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +43,7 @@ import torch
 
 PREFIX = "packed_"
 SUPPORTED = ("sdpa", "eager")
+HALF = (torch.float16, torch.bfloat16)
 # set around a packed forward (:func:`packed_forward`): the mask builder then builds nothing. A context variable, not
 # an empty mask mapping passed as ``attention_mask``: models whose forward builds its mask directly from
 # ``attention_mask`` (Qwen3-MoE in transformers 4.57 and 5.x) cannot take a mapping.
@@ -92,7 +101,8 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The ``packed_<inner>`` implementation. query [B, H, N, D], key / value [B, KV, N, D] -> ([B, N, H, D], None).
 
-    With ``cu_seq_lens_q`` (one packed row, B = 1): the inner implementation on each sequence's tokens, causal.
+    With ``cu_seq_lens_q`` (one packed row, B = 1): the inner implementation on each sequence's tokens, causal; for
+    sdpa on CUDA in half precision one ``varlen_attn`` call over the row instead (the module docstring).
     """
     inner = inner_of(module.config._attn_implementation)
     fn = inner_function(inner, module)
@@ -106,6 +116,8 @@ def attention_forward(
     bounds = cu_seq_lens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds[:3]}...{bounds[-1:]} does not cover the row of {query.shape[2]}")
+    if inner == "sdpa" and _varlen_applies(query, kwargs):
+        return _varlen_forward(query, key, value, cu_seq_lens_q, bounds, kwargs)
     eager = fn.__name__ == "eager_attention_forward"
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     # split, not one slice per sequence: a slice's backward writes its gradient into a zero tensor of the whole
@@ -115,6 +127,50 @@ def attention_forward(
         mask = _causal_mask(q.shape[2], query) if eager else None  # sdpa: is_causal when no mask
         outs.append(fn(module, q, k, v, mask, **kwargs)[0])
     return torch.cat(outs, dim=1), None
+
+
+@functools.cache
+def _varlen_kernel() -> Any | None:
+    """torch's ``varlen_attn`` (torch.nn.attention.varlen: FlashAttention-2 over cumulative lengths, with autograd)
+    where it takes ``window_size`` (torch >= 2.10: causal is window (-1, 0)); None on older torch."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def _varlen_applies(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """One varlen call per layer instead of one SDPA call per sequence: where the kernel exists (CUDA, half
+    precision; it has no CPU or fp32 kernel) and the call asks for nothing it does not do (dropout, soft-capping)."""
+    plain = not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
+    return query.device.type == "cuda" and query.dtype in HALF and plain and _varlen_kernel() is not None
+
+
+def _varlen_forward(query, key, value, cu_host: torch.Tensor, bounds: list[int], kwargs: dict[str, Any]):
+    """query [1, H, N, D], key / value [1, KV, N, D] -> ([1, N, H, D], None) through one ``varlen_attn`` call."""
+    kernel = _varlen_kernel()
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, D]
+    extra: dict[str, Any] = {}
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and "enable_gqa" in inspect.signature(kernel).parameters:  # torch >= 2.12
+        extra["enable_gqa"] = True
+    elif groups > 1:  # repeat the KV heads, as transformers' eager attention does
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cu = _on_device(cu_host, q.device)
+    longest = kwargs.get("max_length_q") or max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=kwargs.get("scaling"), window_size=(-1, 0), **extra)
+    return out.unsqueeze(0), None
+
+
+def _on_device(cu_host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The boundaries on ``device``, copied once per forward: every layer gets the same host tensor
+    (:func:`forward_kwargs`), so the copy is kept on it."""
+    cached = getattr(cu_host, "_gspo_on_device", None)
+    if cached is None or cached.device != device:
+        cached = cu_host.to(device, non_blocking=True)
+        cu_host._gspo_on_device = cached
+    return cached
 
 
 def attention_mask_forward(*args: Any, **kwargs: Any):

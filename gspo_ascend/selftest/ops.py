@@ -5,7 +5,10 @@ Each :class:`OpCase` is one call the way our code makes it (the arguments of ``p
 matmul), run on seeded inputs made on the host. The device runs it on a copy of those inputs; the reference is the
 shim's CPU implementation of torch-npu 2.7.1's documented semantics (``gspo_ascend.device.shim.npu_ops`` /
 ``mindspeed_ops``), which CI holds to the real wheels (``tests/conformance/``), on the same inputs. Backward: the
-gradients of ``sum(outputs * c)`` for one seeded cotangent ``c``, the same on both sides.
+gradients of ``sum(outputs * c)`` for one seeded cotangent ``c``, the same on both sides. One case is ours, not a
+vendor op: the fsdp engine's fused LM-head log-probs (engines/fused_logprob.py) on the device against full logits
+on the host (its own ``reference``). On CUDA the TND attention case runs the engine's packed path, i.e. one
+``varlen_attn`` call in bf16 (engines/packed_attention.py), against the same reference as the NPU's fused op.
 
 What "the device" runs:
 
@@ -59,10 +62,12 @@ class OpCase:
     mindspeed_builder: tuple[str, str] | None = None  # (MindSpeed builder class, its OP_NAME) serving the op
     labels: tuple[str, ...] = ()  # names of the outputs in messages (default "output i")
     also: tuple[str, ...] = ()  # further ops the call exercises (GSPO_SELFTEST_FAULT names that fail this check)
+    # the reference where it is not the shim's op (op ""): an independent plain-torch computation, on the host
+    reference: Callable[[dict[str, Any]], tuple[torch.Tensor, ...]] | None = None
 
     @property
     def ops(self) -> tuple[str, ...]:
-        return (self.op, *self.also)
+        return (self.op, *self.also) if self.op else self.also
 
 
 # ----------------------------------------------------------------------------------------------- inputs and calls
@@ -130,14 +135,42 @@ def _attention_tnd(ns, t):
 
 
 def _attention_tnd_torch(t):
-    """The packed path off NPU: sdpa with the block-diagonal causal mask transformers derives from restarting
-    position_ids (engines/logprobs.py)."""
-    total = t["q"].shape[0]
-    seq = torch.repeat_interleave(torch.arange(len(_TND_LENGTHS)), torch.tensor(_TND_LENGTHS)).to(t["q"].device)
-    pos = torch.arange(total, device=t["q"].device)
-    keep = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T] True = attend
-    q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (t["q"], t["k"], t["v"]))  # [1, N, T, D]
-    return (_sdpa(q, k, v, keep[None, None])[0],)
+    """The packed path off NPU, as the fsdp engine runs it (engines/packed_attention.py): one ``varlen_attn`` call over
+    the row on CUDA in bf16, one sdpa per sequence elsewhere; [T, N, D] in and out."""
+    from ..engines import packed_attention
+
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (t["q"], t["k"], t["v"]))  # [1, N, T, D]
+    cu = torch.tensor([0, *_ends()], dtype=torch.int32)
+    config = types.SimpleNamespace(_attn_implementation=packed_attention.PREFIX + "sdpa")
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=q.shape[1] // k.shape[1], config=config)
+    out, _ = packed_attention.attention_forward(
+        module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(_TND_LENGTHS),
+        scaling=q.shape[-1] ** -0.5, dropout=0.0,
+    )  # fmt: skip
+    return (out[0],)
+
+
+def _log_prob_inputs(dtype, g):
+    rows, hidden, vocab = 40, 64, 300
+    return {
+        "hidden": _randn(g, rows, hidden).to(dtype),
+        "weight": _randn(g, vocab, hidden, scale=0.3).to(dtype),
+        "labels": torch.randint(0, vocab, (rows,), generator=g),
+    }
+
+
+def _fused_log_probs(ns, t):
+    """The fsdp engine's log-probs from the LM head's input (engines/fused_logprob.py), in chunks of 16 rows so the
+    40 rows take three; on every device (no vendor op: ``ns`` is unused)."""
+    from ..engines.fused_logprob import linear_log_probs
+
+    return (linear_log_probs(t["hidden"], t["weight"], t["labels"], 0.7, chunk=16),)
+
+
+def _full_logits_log_probs(t):
+    """The reference: the full [rows, V] logits in the compute dtype, log_softmax in float32, the label's entry."""
+    logits = (t["hidden"] @ t["weight"].t()).float() / 0.7
+    return (torch.log_softmax(logits, -1).gather(-1, t["labels"][:, None]).squeeze(-1),)
 
 
 def _rms_inputs(dtype, g):
@@ -297,6 +330,8 @@ CASES = (
     # vllm-ascend's sampler on 910B; vLLM samples from fp32 logits
     OpCase("npu_top_k_top_p", "npu_top_k_top_p", (torch.float32,), _top_k_top_p_inputs, _top_k_top_p,
            no_torch_path="vLLM's own sampler kernels run the top-k / top-p step off NPU (not an engine of ours)"),
+    OpCase("fused_log_probs", "", BOTH, _log_prob_inputs, _fused_log_probs, ("hidden", "weight"),
+           lambda t: _fused_log_probs(None, t), reference=_full_logits_log_probs),
     OpCase("mindspeed.npu_rotary_position_embedding", "mindspeed.npu_rotary_position_embedding", BOTH,
            _ms_rope_inputs, _ms_rope, ("x",), no_torch_path="MindSpeed runs on NPU only",
            mindspeed_builder=("RotaryPositionEmbeddingOpBuilder", "npu_rotary_position_embedding")),
@@ -348,6 +383,8 @@ def device_call(case: OpCase, backend) -> Callable[[dict[str, Any]], tuple]:
 def reference_call(case: OpCase) -> Callable[[dict[str, Any]], tuple]:
     from ..device.shim import mindspeed_ops, npu_ops
 
+    if case.reference is not None:
+        return case.reference
     module = mindspeed_ops if case.mindspeed_builder is not None else npu_ops
     return lambda t: case.call(module, t)
 
@@ -409,7 +446,7 @@ def compare_case(case: OpCase, backend) -> str:
             parts.append("bf16 skipped (not supported here)")
             continue
         host = case.make(dtype, torch.Generator().manual_seed(0))
-        where = f"{case.op} {_SHORT[dtype]}"
+        where = f"{case.op or case.name} {_SHORT[dtype]}"
         try:
             ours = _evaluate(on_device, host, case, device)
         except (RuntimeError, ValueError, TypeError) as exc:

@@ -307,7 +307,10 @@ def test_dp2_update_equals_dp1_update(model_path):
         shard_log_probs = dp_shard(batch.replace(old_log_probs=log_probs), r, 2, 2).old_log_probs
         # float32 with different micro-batch shapes: equal to ~1 ulp of log-probs that reach -20
         assert ((ranks[r]["log_probs"] - shard_log_probs).abs() <= 1e-6 * shard_log_probs.abs().clamp_min(1)).all()
-        assert_close_dicts(ranks[r]["weights"], full_weights(engine), atol=1e-6)
+        # two AdamW steps of lr 1e-3 from float32 gradients summed in other orders (DP1 keeps its layers gathered,
+        # DP2 reshards): the fused kernel's rounding gave 1.3e-6 where foreach gave 6.6e-7; a wrong reduction moves
+        # weights by O(lr) = 1e-3
+        assert_close_dicts(ranks[r]["weights"], full_weights(engine), atol=2e-6)
     # AdamW's step is invariant to a uniform gradient scale, so grad_norm is what pins the loss * DP scaling
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/num_tokens", "actor/clipfrac_token"):
         assert ranks[0]["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key

@@ -191,3 +191,64 @@ def test_fsdp_engine_routes_packed_attention_only_when_packing(model_path, tmp_p
         assert "packed_" not in json.dumps(saved)  # the export names no implementation of ours
     finally:
         engine.close()
+
+
+def _varlen_stand_in(calls: list):
+    """TEST-ONLY stand-in for torch.nn.attention.varlen.varlen_attn, which has no CPU kernel (CUDA half precision
+    only): its documented semantics computed plainly (per segment of cu_seq, softmax(q k^T * scale) v with the
+    causal window (-1, 0), K / V heads as given), so what is tested is our plumbing around it (layout, GQA heads,
+    boundaries, scale, output shape), not the kernel. The kernel itself is checked on a GPU by the selftest's
+    TND attention case (gspo_ascend/selftest/ops.py) against the shim's reference."""
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+        assert q.shape[1] == k.shape[1] == v.shape[1], "KV heads must arrive repeated (no enable_gqa before 2.12)"
+        bounds = cu_q.tolist()
+        assert max_q == max_k == max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+        calls.append(len(bounds) - 1)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+            scores = qs @ ks.transpose(-1, -2) * scale
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+            out.append((scores.softmax(-1) @ vs).transpose(0, 1))
+        return torch.cat(out)
+
+    return varlen_attn
+
+
+def test_varlen_path_is_one_call_per_layer_and_equals_the_per_sequence_loop(model_path, monkeypatch):
+    model, looped = load(model_path, "sdpa"), load(model_path, "sdpa")
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # GQA: the repeat is exercised
+    for m in (model, looped):
+        packed_attention.enable(m)
+    ids, pos = packed_inputs(LENGTHS, seed=3)
+    weights = torch.randn(sum(LENGTHS), model.config.vocab_size, generator=torch.Generator().manual_seed(4))
+
+    def run(m):
+        kwargs = packed_attention.forward_kwargs(m, LENGTHS)
+        with packed_attention.packed_forward():
+            logits = m(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits
+        (logits[0] * weights).sum().backward()
+        return logits
+
+    expected = run(looped)  # the per-sequence loop (CPU: varlen does not apply)
+    calls: list[int] = []
+    monkeypatch.setattr(packed_attention, "_varlen_kernel", lambda: _varlen_stand_in(calls))
+    monkeypatch.setattr(packed_attention, "HALF", (torch.float64,))  # float64 stands for half precision here
+    original = packed_attention._varlen_applies  # and the CPU query for a CUDA one, in the device check only
+    monkeypatch.setattr(packed_attention, "_varlen_applies", lambda q, kw: original(_AsCuda(q), kw))
+    got = run(model)
+    assert calls == [len(LENGTHS)] * model.config.num_hidden_layers  # one call per layer, every sequence in it
+    assert (got - expected).abs().max() <= 1e-10
+    ref = dict(looped.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad - ref[name].grad).abs().max() <= 1e-10 * max(1.0, ref[name].grad.abs().max().item()), name
+
+
+class _AsCuda:
+    """A query seen by _varlen_applies as a CUDA tensor (its device check), everything else from the real one."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.dtype, self.device = t.dtype, torch.device("cuda")

@@ -47,9 +47,11 @@ def test_every_op_check_passes_on_the_emulated_npu(npu, monkeypatch):
     assert [r.name for r in results] == [f"ops/{c.name}" for c in ops.CASES]
     for r in results:
         assert r.status == "pass", r
-        # the device is the shim itself here: forward and backward agree exactly, in every dtype checked
+        # the device is the shim itself here: forward and backward agree exactly, in every dtype checked (a case with
+        # its own reference, not the shim's, is another computation: only its bound)
         errors = re.findall(r"(?:fwd|bwd) ([^\s;]+)", r.detail)
-        assert errors and set(errors) == {"0"}, r.detail
+        case = next(c for c in ops.CASES if f"ops/{c.name}" == r.name)
+        assert errors and (set(errors) == {"0"} or case.reference is not None), r.detail
 
 
 def test_on_cpu_the_op_checks_run_transformers_path_and_skip_the_npu_only_ops(monkeypatch):
@@ -64,7 +66,7 @@ def test_on_cpu_the_op_checks_run_transformers_path_and_skip_the_npu_only_ops(mo
             continue
         assert r.status == "pass", r
         # another implementation really ran: bf16 rounds differently from the fp32-then-round reference ...
-        assert re.search(r"bf16 fwd [1-9]", r.detail), r.detail
+        assert re.search(r"bf16 fwd [1-9]", r.detail) or case.reference is not None, r.detail
         # ... and stays inside the documented bound
         assert all(float(x) <= 2e-2 for x in re.findall(r"bf16 fwd ([^\s;]+)", r.detail))
 

@@ -7,21 +7,28 @@ process with its own time limit, the whole inside a time budget; JSON + a markdo
 ``scripts/device/gpu_proof.sh`` is the entry on the device machine (installs the carried bundle first). Steps, in
 order of what they prove (a step that finds the budget spent is ``skip`` with that reason; failures are results):
 
-1. ``selftest``: ``gspo-ascend selftest --devices 1 --json``: ops, collectives, hf rollout, the train engines on
+1. ``attention``: ``benchmarks/attention_check.py``, torch alone (no engine, no model): packed attention at
+   Qwen3-0.6B's attention shapes, 32 sequences of fresh lengths per iteration x 28 layers, fwd + bwd, one SDPA call
+   per sequence with cuDNN SDPA off and on, then ``varlen_attn`` in one call per layer with its max |diff|: whether
+   cuDNN's plan per shape is the small model's slow update, and what one call per layer is worth (issue #43).
+   First: the cheapest step (an estimated minute on an H100, never measured yet; limit 90 s) and the one that
+   says most about the steps after it. At ``--size tiny``: 2 sequences x 2 layers, fp32, one iteration (seconds).
+2. ``selftest``: ``gspo-ascend selftest --devices 1 --json``: ops, collectives, hf rollout, the train engines on
    one device (megatron TP=1 log-probs vs HF, one GSPO update fsdp vs megatron, checkpoint, the MoE model's
    two), two GSPO steps through Ray. Its ``training/*`` records are the megatron figures of the summary; a
    selftest killed at its limit is judged on the checks its progress lines say it finished.
-2. ``small_model``: ``make-tiny-model --size small`` on the device (the benchmark's 22M Qwen3; ~40 min on 2 CPU
+3. ``small_model``: ``make-tiny-model --size small`` on the device (the benchmark's 22M Qwen3; ~40 min on 2 CPU
    cores, ~60 s on an H100). ``--size tiny`` uses the embedded tiny model instead.
-3. ``train``: ``gspo-ascend train`` of the synthetic task through Ray, fsdp + hf rollout, bf16 (fp32 on a CPU),
+4. ``train``: ``gspo-ascend train`` of the synthetic task through Ray, fsdp + hf rollout, bf16 (fp32 on a CPU),
    4 steps, validation at the last: reward and validation accuracy, seconds per step by stage. Third, before
    the measurements: the product's own path, which no H100 run has yet seen finish at this size (run 4: 10 of 20
    steps in its limit, 16.7 s a step; run 6: the budget's last 93 s; run 8: 3 of 5 steps in 200 s, 27 s a step
    and two 42 s validations), while the throughput and TRL figures below have two runs each. 4 steps: ~120 s of
    steps, ~60 s of start-up and the one validation.
-4. ``throughput_fsdp``, ``throughput_megatron``: ``benchmarks/train_throughput.py``, fwd + bwd + optimizer of a
-   Qwen3-0.6B-shaped model at 4k-token micro-batches: tokens/s, MFU, peak memory against the planner's.
-5. ``trl``: ``benchmarks/e2e_vs_trl.py`` ours-hf against TRL's GRPOTrainer (sequence-level IS), same GPU, same
+5. ``throughput_fsdp``, ``throughput_megatron``: ``benchmarks/train_throughput.py``, fwd + bwd + optimizer of a
+   Qwen3-0.6B-shaped model at 4k-token micro-batches, a fresh batch every step: tokens/s, MFU, the first update
+   apart from the steady state, peak memory against the planner's.
+6. ``trl``: ``benchmarks/e2e_vs_trl.py`` ours-hf against TRL's GRPOTrainer (sequence-level IS), same GPU, same
    shape: one step-time ratio from one run.
 
 Outputs (at most 3 files, so a device call brings them all back): ``proof.json`` (every step's record),
@@ -96,6 +103,28 @@ class Step:
 
 def _gspo(ctx: Ctx, *args: str) -> list[str]:
     return [ctx.python, "-m", "gspo_ascend", *args]
+
+
+def attention_command(ctx: Ctx) -> list[str]:
+    if ctx.device not in ("cuda", "cpu"):
+        raise Skip(f"the attention check is CUDA's (on {ctx.device} the packed path is one fused call per layer)")
+    out = ctx.work / "attention.json"
+    out.unlink(missing_ok=True)  # a reused --work: judge this run's results only
+    # full: the check's defaults (bf16, 32 sequences, 28 layers, 5 iterations); tiny: seconds on a CPU
+    sizes = [] if ctx.full else ["--dtype", "float32", "--sequences", "2", "--max-extra", "16", "--iters", "1",
+                                 "--layers", "2"]  # fmt: skip
+    return [ctx.python, str(BENCH / "attention_check.py"), "--device", ctx.device, *sizes, "--json", str(out)]
+
+
+def judge_attention(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
+    path = ctx.work / "attention.json"
+    if not path.is_file():
+        return "fail", f"exit {rc}: {_last_error(log)}", {}
+    data = json.loads(path.read_text())  # rewritten after each run: what a run killed at its limit finished
+    timed = [name for name, run in data["runs"].items() if run.get("available")]
+    if rc or not timed:
+        return "fail", f"exit {rc}; runs finished: {timed}: {_last_error(log)}", data
+    return "pass", _last_line(log), data
 
 
 def selftest_command(ctx: Ctx) -> list[str]:
@@ -296,6 +325,7 @@ def judge_trl(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
 
 
 STEPS = [
+    Step("attention", {"full": 90, "tiny": 60}, attention_command, judge_attention),
     Step("selftest", {"full": 200, "tiny": 240}, selftest_command, judge_selftest),
     Step("small_model", {"full": 120, "tiny": 60}, small_model_command, judge_small_model),
     Step("train", {"full": 200, "tiny": 240}, train_command, judge_train),

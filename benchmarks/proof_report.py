@@ -5,6 +5,7 @@ failures included, without the logs (those are in proof-logs.tar.gz)."""
 from __future__ import annotations
 
 import math
+import statistics
 
 
 def _num(value, spec: str = ".3g") -> str:
@@ -31,13 +32,58 @@ def render_markdown(result: dict) -> str:
         "|---|---|---|---|",
     ]
     lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {_cell(s['detail'])} |" for s in steps.values()]
-    for name, section in (("selftest", _selftest), ("train", _train), ("trl", _trl)):
+    for name, section in (("attention", _attention), ("selftest", _selftest), ("train", _train), ("trl", _trl)):
         if steps.get(name, {}).get("figures"):
             lines += ["", *section(steps[name]["figures"])]
     throughput = [steps[n] for n in ("throughput_fsdp", "throughput_megatron") if steps.get(n, {}).get("figures")]
     if throughput:
         lines += ["", *_throughput(throughput)]
     return "\n".join(lines) + "\n"
+
+
+def _attention(figures: dict) -> list[str]:
+    """benchmarks/attention_check.py's runs: seconds per iteration (fwd + bwd of every layer), fresh lengths each."""
+    lengths = [n for step in figures.get("iteration_lengths", []) for n in step]
+    lines = [
+        f"## attention: packed rows at Qwen3-0.6B's attention shapes, {figures.get('dtype')}, "
+        f"{figures.get('sequences')} sequences x {figures.get('layers')} layers, fwd + bwd",
+        "",
+        f"Fresh lengths every iteration ({min(lengths, default=0)}-{max(lengths, default=0)} tokens; "
+        f"{_num(_mean(figures.get('iteration_tokens')), ',.0f')} per row on average); "
+        + (f"cuDNN {figures['cudnn_version']}, " if figures.get("cudnn_version") else "")
+        + f"torch {figures.get('torch')}.",
+        "",
+        "| run | calls per iteration, each way | first iteration (s) | median per iteration (s) | median forward (s) |",
+        "|---|---|---|---|---|",
+    ]
+    calls = figures.get("calls_per_iteration", {})
+    for name, run in figures.get("runs", {}).items():
+        if not run.get("available"):
+            lines.append(f"| {name} | - | - | {_cell(run.get('reason'))} | - |")
+            continue
+        forward = _median(run.get("forward_seconds"))
+        count = calls.get("varlen" if name == "varlen" else "per_sequence")
+        lines.append(f"| {name} | {_num(count, 'd')} | {_num(run['first_s'], '.4f')} | {_num(run['median_s'], '.4f')} "
+                     f"| {_num(forward, '.4f')} |")  # fmt: skip
+    ratios = figures.get("ratios") or {}
+    if ratios:
+        lines += ["", "- " + ", ".join(f"{k.replace('_', ' ')}: {v:.3g}x" for k, v in ratios.items())]
+    diff = figures.get("varlen_vs_per_sequence") or {}
+    if "max_abs_diff" in diff:
+        scale = diff["reference_max_abs"]
+        lines.append("- varlen vs per-sequence, max |diff| (reference max |value|): " + ", ".join(
+            f"{k} {v:.3g} ({scale[k]:.3g})" for k, v in diff["max_abs_diff"].items()))  # fmt: skip
+    elif "error" in diff:
+        lines.append(f"- varlen vs per-sequence: {diff['error']}")
+    return lines
+
+
+def _mean(values) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _median(values) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _selftest(figures: dict) -> list[str]:
@@ -74,10 +120,13 @@ THROUGHPUT_ROWS = [
     ("device", lambda f: f.get("device_name"), "s"),
     ("dtype", lambda f: f.get("dtype"), "s"),
     ("tokens per micro-batch (budget)", lambda f: f.get("tokens_per_micro_batch"), "d"),
-    ("real tokens per step", lambda f: f.get("tokens_per_step"), ",d"),
-    ("tokens computed (with padding)", lambda f: f.get("processed_tokens_per_step"), ",d"),
-    ("micro-batches per step", lambda f: f.get("micro_batches_per_step"), "d"),
+    # each timed step a fresh batch of the same length distribution: per-step sizes are means over the timed steps
+    ("real tokens per step (mean)", lambda f: f.get("tokens_per_step"), ",.0f"),
+    ("tokens computed (with padding, mean)", lambda f: f.get("processed_tokens_per_step"), ",.0f"),
+    ("micro-batches per step (mean)", lambda f: f.get("micro_batches_per_step"), ".3g"),
+    ("first update, a fresh engine (s)", lambda f: f.get("first_update_s"), ".3f"),  # the warm-up, timed apart
     ("step, mean of the timed steps (s)", lambda f: f.get("mean_step_seconds"), ".3f"),  # tokens/s's denominator
+    ("step, median of the timed steps (s)", lambda f: f.get("median_step_seconds"), ".3f"),
     ("tokens/s (real tokens)", lambda f: f.get("tokens_per_second"), ",.0f"),
     ("model GFLOP per token", lambda f: (f.get("flops_per_token") or 0) / 1e9 or None, ".3f"),
     ("model TFLOP/s", lambda f: f.get("tflops_per_second"), ".1f"),

@@ -1,7 +1,7 @@
 """Training throughput of one train engine: tokens/s, model TFLOP/s, MFU and peak memory against the planner.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --device cpu|cuda|npu --engine fsdp|megatron
-        --shape qwen3-0.6b|tiny [--tokens-per-micro-batch 4096] [--steps N] [--json OUT.json]
+        --shape qwen3-0.6b|small|tiny [--tokens-per-micro-batch 4096] [--steps N] [--json OUT.json]
         [--dtype bfloat16|float32] [--attn sdpa|eager|flash_attention_2] [--samples N]
         [--prompt-length N] [--max-response-length N] [--seed N]
 
@@ -10,17 +10,24 @@ What runs, in this one process (one rank, a world of 1: the engine makes its own
 1. A model of ``--shape`` written offline as a Hugging Face directory in a temporary folder, random init, saved in
    bf16: ``qwen3-0.6b`` is Qwen3-0.6B's published config (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim
    128, intermediate 3072, vocab 151936, tied embeddings, rope theta 1e6, 40960 positions); ``tiny`` a 2-layer
-   version for CPU CI. No tokenizer: ``update`` consumes token ids, and the engines read only the config's pad id.
+   version for CPU CI; ``small`` the CPU benchmark's 22M model (``make-tiny-model --size small``'s sizes). No
+   tokenizer: ``update`` consumes token ids, and the engines read only the config's pad id.
 2. The real engine (``FSDPEngine`` / ``MegatronEngine``) from ``load_config(None, overrides)``, as
    ``gspo_ascend/selftest/training.py`` builds it: ``model.dtype`` (bf16 by default), packed micro-batches
    (``actor.use_remove_padding=true``) of at most ``--tokens-per-micro-batch`` real tokens
    (``actor.max_tokens_per_micro_batch``), one minibatch per update (one optimizer step).
-3. A synthetic rollout batch (a ``SampleBatch``): ``--samples`` random prompts of ``--prompt-length`` tokens, responses
-   of skewed lengths (``max_response * u^2``, u uniform: mean a third of the maximum, one sample at the maximum, as
-   RL responses are: most short, a long tail), old log-probs at ``-ln V`` (a random-init model's level, so sequence
-   ratios start near 1) and random advantages. The same batch every step.
+3. Synthetic rollout batches (``SampleBatch``), a fresh one for every update: ``--samples`` random prompts of
+   ``--prompt-length`` tokens, responses of skewed lengths (``max_response * u^2``, u uniform: mean a third of the
+   maximum, one sample at the maximum, as RL responses are: most short, a long tail), old log-probs at ``-ln V`` (a
+   random-init model's level, so sequence ratios start near 1) and random advantages. Update ``i`` (0 the warm-up,
+   1..``--steps`` the timed ones) draws its batch with seed ``--seed + i``: the same length distribution, new
+   lengths every step, as in RL, where no two micro-batches have the same shape. A benchmark that fed one batch to
+   every step would hide every per-shape cost (a cuDNN attention plan built per sequence length, a recompile per
+   new length: issue #43) in its warm-up.
 4. ``engine.update(batch)`` (forward + backward + optimizer step) once as a warm-up, then ``--steps`` times, each
-   between two device synchronizations (the device contract's ``synchronize``).
+   between two device synchronizations (the device contract's ``synchronize``); the warm-up is timed the same way
+   and reported apart (``first_update_s``: the first update of a fresh engine, allocator, kernels, optimizer state
+   and per-shape costs together), never in the steady-state figures.
 
 Engine differences that matter for the numbers:
 
@@ -42,6 +49,15 @@ per multiply-add::
       L H d  layers x attention heads x head_dim: QK^T and AV, 2 x 2 H d FLOPs per (query, key) pair forward
       C  the mean causal context: sum_i L_i (L_i + 1) / 2 / sum_i L_i over the batch's sequences (token t of a
          sequence attends t + 1 keys)
+
+Per step and over the timed steps: tokens differ from step to step, so every rate is a ratio of sums over the
+timed steps, never a mean of per-step rates. ``tokens_per_second`` = the real tokens of all timed steps / their
+seconds; a step's model FLOPs are ``flops/token x tokens`` with its own lengths (``step_flops``), and
+``tflops_per_second`` = their sum / the same seconds. ``flops`` and ``flops_per_token`` are the formula over the
+timed steps' sequences together (C over all of them), which makes ``flops_per_token x tokens_per_second`` that same
+FLOP/s exactly. ``tokens_per_step``, ``processed_tokens_per_step`` and ``micro_batches_per_step`` are means over
+the timed steps (their per-step values: ``step_tokens``, ``step_processed_tokens``, ``step_micro_batches``);
+``mean_step_seconds`` and ``median_step_seconds`` the steady state.
 
 PaLM counts the attention term with the full sequence length T (C = T); causal counting makes it about half, which
 gives the conservative MFU. Megatron's formula (72 B s l h^2 (1 + s / 6h + V / 12 l h)) is the same three terms
@@ -131,8 +147,24 @@ TINY = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     "rms_norm_eps": 1e-6,
 }
-# qwen3-0.6b: 32 x (256 + ~341) ~ 19k tokens, ~5 micro-batches of 4096; tiny: ~1k tokens, ~4 micro-batches of 256
+# the CPU benchmark's model (make-tiny-model --size small, gspo_ascend/tiny.py SIZES: 22M parameters, GQA 8 / 4,
+# the tiny tokenizer's 512-token vocabulary), untied as the tiny models are, at its realistic batch (32 responses up to
+# 512 tokens): the CPU before / after of issue #43
+SMALL = {
+    **TINY,
+    "hidden_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 1792,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+}
+# qwen3-0.6b: 32 x (256 + ~341) ~ 19k tokens, ~5 micro-batches of 4096; tiny: ~1k tokens, ~4 micro-batches of 256;
+# small: 32 x (64 + ~171) ~ 7.5k tokens, ~4 micro-batches of 2048
 SHAPES = {
+    "small": Shape(SMALL, 64, max_response_length=512, samples=32, tokens_per_micro_batch=2048),
     "qwen3-0.6b": Shape(QWEN3_0_6B, 256, max_response_length=1024, samples=32, tokens_per_micro_batch=4096),
     "tiny": Shape(TINY, 32, max_response_length=96, samples=16, tokens_per_micro_batch=256),
 }
@@ -144,7 +176,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--engine", default="fsdp", choices=("fsdp", "megatron"))
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--tokens-per-micro-batch", type=int, default=None, help="default: the shape's (qwen3-0.6b 4096)")
-    p.add_argument("--steps", type=int, default=5, help="timed updates after one warm-up update")
+    p.add_argument("--steps", type=int, default=5, help="timed updates after one warm-up, each on a fresh batch")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--attn", default=None, choices=("sdpa", "eager", "flash_attention_2"), help="fsdp only (sdpa)")
@@ -200,6 +232,13 @@ def synthetic_batch(samples: int, prompt_length: int, max_response: int, vocab: 
     old = torch.full((samples, max_response), -math.log(vocab)) * mask
     advantages = torch.randn(samples, generator=g)
     return SampleBatch(prompts, responses, mask, old_log_probs=old, advantages=advantages)
+
+
+def synthetic_batches(args: argparse.Namespace, vocab: int, count: int) -> list:
+    """``count`` batches of the run's sizes, batch ``i`` drawn with seed ``args.seed + i`` (0: the warm-up's): one
+    length distribution, new lengths every update (see the module docstring)."""
+    sizes = (args.samples, args.prompt_length, args.max_response_length, vocab)
+    return [synthetic_batch(*sizes, seed=args.seed + i) for i in range(count)]
 
 
 def sequence_lengths(batch) -> list[int]:
@@ -292,22 +331,31 @@ def build_engine(cfg, backend, model_dir: Path):
     return MegatronEngine(cfg, backend, str(model_dir))
 
 
-def time_updates(engine, batch, backend, steps: int) -> tuple[list[float], dict[str, float]]:
-    """Seconds of each of ``steps`` updates after one warm-up, device-synchronized; the last update's metrics."""
-    engine.update(batch, TEMPERATURE)  # warm-up: allocator, kernels / autotuning, optimizer state
-    seconds, metrics = [], {}
-    for _ in range(steps):
-        backend.synchronize()
-        start = time.perf_counter()
-        metrics = engine.update(batch, TEMPERATURE)
-        backend.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds, metrics
+def timed_update(engine, batch, backend) -> tuple[float, dict[str, float]]:
+    """One update between two device synchronizations: (seconds, the engine's metrics)."""
+    backend.synchronize()
+    start = time.perf_counter()
+    metrics = engine.update(batch, TEMPERATURE)
+    backend.synchronize()
+    return time.perf_counter() - start, metrics
+
+
+def time_updates(engine, batches: list, backend) -> tuple[float, list[float], list[dict[str, float]]]:
+    """The first update (``batches[0]``: the warm-up, allocator, kernels / autotuning, optimizer state) and one timed
+    update per further batch, each a fresh one: (first seconds, the timed steps' seconds, their metrics)."""
+    first, _ = timed_update(engine, batches[0], backend)
+    seconds, metrics = [], []
+    for batch in batches[1:]:
+        elapsed, step_metrics = timed_update(engine, batch, backend)
+        seconds.append(elapsed)
+        metrics.append(step_metrics)
+    return first, seconds, metrics
 
 
 def profile_update(engine, batch, backend) -> None:
-    """One more update under torch.profiler (not timed): the ops that take the time, on stderr. Where a step's time
-    goes on a device is the question a low MFU raises; a host-side gap shows as CPU time without device time."""
+    """One more update under torch.profiler (not timed), on a fresh batch like every timed step's: the ops that take
+    the time, on stderr. Where a step's time goes on a device is the question a low MFU raises; a host-side gap shows
+    as CPU time without device time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -339,22 +387,24 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     over = overrides(args, model_dir)
     cfg = load_config(None, over)
     spec = load_spec(str(model_dir))
-    batch = synthetic_batch(args.samples, args.prompt_length, args.max_response_length, spec.vocab, args.seed)
+    # the warm-up's, one per timed step, and the profiled update's (seed + steps + 1): all fresh
+    batches = synthetic_batches(args, spec.vocab, args.steps + 1 + args.profile)
     predicted, parts = predicted_memory(cfg, model_dir)
     engine = build_engine(cfg, backend, model_dir)
     try:
-        seconds, metrics = time_updates(engine, batch, backend, args.steps)
+        first, seconds, metrics = time_updates(engine, batches[: args.steps + 1], backend)
         if args.profile:
-            profile_update(engine, batch, backend)
+            profile_update(engine, batches[-1], backend)
         on_device = backend.torch_device_type != "cpu"  # host RSS is not device memory (module docstring)
         peak = backend.memory_stats()["peak_allocated"] if on_device else None
     finally:
         engine.close()
     return {
         "backend": backend,
-        "batch": batch,
+        "batches": batches[: args.steps + 1],  # [0]: the warm-up's
         "spec": spec,
         "overrides": [o for o in over if not o.startswith("model.path=")],  # the temporary path means nothing later
+        "first_seconds": first,
         "seconds": seconds,
         "metrics": metrics,
         "peak": peak,
@@ -364,14 +414,19 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
-    """The JSON: what ran, tokens, time, FLOPs, MFU, memory (null where not measurable, see the docstring)."""
-    backend, batch, seconds = raw["backend"], raw["batch"], raw["seconds"]
-    lengths = sequence_lengths(batch)
-    tokens = sum(lengths)
-    processed, planned = processed_tokens(batch, args.engine, args.tokens_per_micro_batch)
-    flops = model_flops(raw["spec"], lengths)
-    tokens_per_s = tokens * len(seconds) / sum(seconds)
-    tflops = flops["per_token"] * tokens_per_s / 1e12
+    """The JSON: what ran, tokens, time, FLOPs, MFU, memory (null where not measurable, see the docstring). Every
+    timed step had its own batch: per-step lists (``step_*``), means over them, rates as ratios of sums."""
+    backend, seconds, spec = raw["backend"], raw["seconds"], raw["spec"]
+    warmup, *timed = raw["batches"]
+    lengths = [sequence_lengths(b) for b in timed]
+    tokens = [sum(n) for n in lengths]
+    pairs = [processed_tokens(b, args.engine, args.tokens_per_micro_batch) for b in timed]
+    processed, planned = [p for p, _ in pairs], [n for _, n in pairs]
+    engine_counts = [int(m.get("actor/micro_batches", p)) for m, p in zip(raw["metrics"], planned, strict=True)]
+    step_flops = [model_flops(spec, n)["per_token"] * t for n, t in zip(lengths, tokens, strict=True)]
+    flops = model_flops(spec, [n for step in lengths for n in step])  # over all timed steps: see the docstring
+    tokens_per_s = sum(tokens) / sum(seconds)
+    tflops = sum(step_flops) / sum(seconds) / 1e12  # == flops["per_token"] * tokens_per_s / 1e12
     name = backend.device_name()
     peak = peak_tflops(name) if backend.torch_device_type != "cpu" else None
     ratio = raw["peak"] / raw["predicted"] if raw["peak"] is not None and raw["predicted"] else None
@@ -383,18 +438,28 @@ def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "dtype": args.dtype,
         "attention": attention_name(args.engine, args.attn, backend),
         "tokens_per_micro_batch": args.tokens_per_micro_batch,
-        "samples_per_step": len(batch),
-        "sequence_lengths": lengths,
-        "tokens_per_step": tokens,
-        "processed_tokens_per_step": processed,
-        "micro_batches_per_step": int(raw["metrics"].get("actor/micro_batches", planned)),
-        "planned_micro_batches": planned,
+        "samples_per_step": len(timed[0]),
+        "batch_seeds": [args.seed + i for i in range(len(raw["batches"]))],  # [0]: the warm-up's
+        "step_sequence_lengths": lengths,
+        "step_tokens": tokens,
+        "step_processed_tokens": processed,
+        "step_micro_batches": engine_counts,
+        "step_planned_micro_batches": planned,
+        "tokens_per_step": statistics.fmean(tokens),
+        "processed_tokens_per_step": statistics.fmean(processed),
+        "micro_batches_per_step": statistics.fmean(engine_counts),
+        "planned_micro_batches": statistics.fmean(planned),
         "warmup_steps": 1,
+        "first_update_s": raw["first_seconds"],
+        "first_update_tokens": sum(sequence_lengths(warmup)),
+        "first_update_sequence_lengths": sequence_lengths(warmup),
         "steps": len(seconds),
         "step_seconds": seconds,
         "mean_step_seconds": statistics.fmean(seconds),
         "median_step_seconds": statistics.median(seconds),
+        "first_update_over_median": raw["first_seconds"] / statistics.median(seconds),
         "tokens_per_second": tokens_per_s,
+        "step_flops": step_flops,
         "flops": flops,
         "flops_per_token": flops["per_token"],
         "tflops_per_second": tflops,
@@ -405,7 +470,7 @@ def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "predicted_memory_parts": raw["predicted_parts"],
         "memory_ratio": ratio,
         "config_overrides": raw["overrides"],
-        "last_step_metrics": raw["metrics"],
+        "last_step_metrics": raw["metrics"][-1],
     }
 
 
@@ -419,9 +484,10 @@ def summary_line(r: dict[str, Any]) -> str:
         memory = f"peak {r['peak_memory_bytes'] / gib:.3g} GiB / {predicted} = {r['memory_ratio']:.2f}"
     return (
         f"{SUMMARY_PREFIX} {r['shape']} {r['engine']} on {r['device_name']} ({r['dtype']}): "
-        f"{r['tokens_per_step']} tokens/step ({r['processed_tokens_per_step']} computed, "
-        f"{r['micro_batches_per_step']} micro-batches), {r['mean_step_seconds']:.3f} s/step (mean of "
-        f"{r['steps']}, as tokens/s), {r['tokens_per_second']:,.0f} tokens/s, "
+        f"{r['tokens_per_step']:,.0f} tokens/step ({r['processed_tokens_per_step']:,.0f} computed, "
+        f"{r['micro_batches_per_step']:.3g} micro-batches; means of {r['steps']} fresh batches), "
+        f"first update {r['first_update_s']:.3f} s, then {r['mean_step_seconds']:.3f} s/step (mean, as tokens/s; "
+        f"median {r['median_step_seconds']:.3f}), {r['tokens_per_second']:,.0f} tokens/s, "
         f"{r['flops_per_token'] / 1e9:.4g} GFLOP/token, "
         f"{r['tflops_per_second']:.4g} TFLOP/s, {mfu}; {memory}"
     )

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["selftest", "small_model", "train", "throughput_fsdp", "throughput_megatron", "trl"]
+STEPS = ["attention", "selftest", "small_model", "train", "throughput_fsdp", "throughput_megatron", "trl"]
 
 
 def test_the_proof_runs_every_step_on_the_cpu(tmp_path):
@@ -41,9 +41,12 @@ def test_the_proof_runs_every_step_on_the_cpu(tmp_path):
         figures = steps[f"throughput_{engine}"]["figures"]
         assert figures["engine"] == engine and figures["tokens_per_second"] > 0
     assert steps["trl"]["figures"]["step_time_ratio"] > 0
+    attention = steps["attention"]["figures"]
+    assert attention["runs"]["per_sequence_cpu"]["available"] and not attention["runs"]["varlen"]["available"]
+    assert steps["attention"]["seconds"] < 30  # tiny on the CPU: seconds, first in the budget
     md = (out / "proof.md").read_text()
     for name, record in steps.items():
         assert f"| {name} | {record['status']} |" in md
     with tarfile.open(out / "proof-logs.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"logs/selftest.log", "logs/train.log", "raw/metrics.jsonl", "raw/trl.json"} <= names
+    assert {"logs/selftest.log", "logs/train.log", "raw/metrics.jsonl", "raw/trl.json", "raw/attention.json"} <= names

@@ -167,13 +167,45 @@ def test_judges_of_the_model_throughput_and_trl_steps(tmp_path):
 def test_a_reused_work_folder_never_passes_off_old_results(tmp_path):
     ctx = _ctx(tmp_path, size="full")
     ctx.found["model"] = str(tmp_path / "m")
-    for name in ("trl.json", "throughput_fsdp.json"):
+    for name in ("trl.json", "throughput_fsdp.json", "attention.json"):
         (tmp_path / name).write_text("{}")
     _write_metrics(tmp_path / "train" / "metrics.jsonl", [{"step": 1, "reward/mean": 0.5}])
     gpu_proof.trl_command(ctx)
     gpu_proof.throughput_command("fsdp")(ctx)
     gpu_proof.train_command(ctx)
-    assert not any((tmp_path / n).exists() for n in ("trl.json", "throughput_fsdp.json", "train"))
+    gpu_proof.attention_command(ctx)
+    assert not any((tmp_path / n).exists() for n in ("trl.json", "throughput_fsdp.json", "train", "attention.json"))
+
+
+def test_the_attention_check_runs_first_tiny_on_a_cpu_and_is_judged_on_its_json(tmp_path):
+    assert gpu_proof.STEPS[0].name == "attention"  # the cheapest step and the one that explains the others
+    tiny = gpu_proof.attention_command(_ctx(tmp_path))
+    assert tiny[1].endswith("benchmarks/attention_check.py") and tiny[tiny.index("--device") + 1] == "cpu"
+    assert tiny[tiny.index("--layers") + 1] == "2" and tiny[-2:] == ["--json", str(tmp_path / "attention.json")]
+    full = _ctx(tmp_path, size="full")
+    full.device = "cuda"
+    assert gpu_proof.attention_command(full)[2:] == ["--device", "cuda", "--json", str(tmp_path / "attention.json")]
+    full.device = "npu"
+    with pytest.raises(gpu_proof.Skip, match="CUDA's"):
+        gpu_proof.attention_command(full)
+
+    log = tmp_path / "attention.log"
+    log.write_text("RuntimeError: CUDA error: out of memory\n")
+    assert gpu_proof.judge_attention(_ctx(tmp_path), 1, log) == (
+        "fail",
+        "exit 1: RuntimeError: CUDA error: out of memory",
+        {},
+    )
+    # killed after the cheap runs: the JSON it rewrote after each is what it found
+    runs = {
+        "per_sequence_cudnn_off": {"available": True, "median_s": 0.05},
+        "varlen": {"available": False, "reason": "r"},
+    }
+    (tmp_path / "attention.json").write_text(json.dumps({"runs": runs}))
+    status, detail, figures = gpu_proof.judge_attention(_ctx(tmp_path), -9, log)
+    assert status == "fail" and "['per_sequence_cudnn_off']" in detail and figures["runs"] == runs
+    log.with_suffix(".out").write_text("attention_check: summary\n")
+    assert gpu_proof.judge_attention(_ctx(tmp_path), 0, log) == ("pass", "attention_check: summary", {"runs": runs})
 
 
 def test_a_spent_budget_skips_and_a_failing_judge_is_a_failure(tmp_path):
@@ -202,11 +234,34 @@ def test_small_model_is_skipped_at_tiny_size_and_train_then_uses_the_embedded_mo
 
 
 def test_markdown_names_every_step_and_the_figures():
+    attention = {
+        "dtype": "bfloat16",
+        "sequences": 32,
+        "layers": 28,
+        "iteration_lengths": [[256, 1280]],
+        "iteration_tokens": [1536],
+        "cudnn_version": 91900,
+        "torch": "2.11.0",
+        "calls_per_iteration": {"per_sequence": 896, "varlen": 28},
+        "runs": {
+            "per_sequence_cudnn_off": {
+                "available": True,
+                "first_s": 0.5,
+                "median_s": 0.04,
+                "forward_seconds": [0.01, 0.02],
+            },
+            "varlen": {"available": False, "reason": "varlen_attn failed: RuntimeError: sm"},
+        },
+        "ratios": {"cudnn_on_over_off": 52.5},
+        "varlen_vs_per_sequence": {"max_abs_diff": {"out": 0.004}, "reference_max_abs": {"out": 2.0}},
+    }
     steps = [
+        {"name": "attention", "status": "pass", "seconds": 40.0, "detail": "a", "figures": attention},
         {"name": "selftest", "status": "pass", "seconds": 3.0, "detail": "1 pass | 0 fail",
          "figures": {"records": [{"name": "ops/a", "status": "pass", "seconds": 1.0, "detail": "ok"}]}},
         {"name": "throughput_fsdp", "status": "pass", "seconds": 9.0, "detail": "x",
-         "figures": {"tokens_per_second": 12345.6, "mfu": 0.4123, "peak_memory_bytes": 3 * 2**30}},
+         "figures": {"tokens_per_second": 12345.6, "mfu": 0.4123, "peak_memory_bytes": 3 * 2**30,
+                     "first_update_s": 9.5, "tokens_per_step": 18381.5, "micro_batches_per_step": 4.5}},
         {"name": "trl", "status": "timeout", "seconds": 180.0, "detail": "killed", "figures": {}},
     ]  # fmt: skip
     header = {"device_name": "NVIDIA H100 80GB HBM3", "commit": "abc", "date": "2026-11-26", "python": "3.12.3",
@@ -217,3 +272,8 @@ def test_markdown_names_every_step_and_the_figures():
     assert "| trl | timeout | 180.0 | killed |" in text
     assert "| tokens/s (real tokens) | 12,346 |" in text and "| MFU (bf16 dense peak) | 41.2% |" in text
     assert "| peak device memory (GiB) | 3.00 |" in text
+    assert "| first update, a fresh engine (s) | 9.500 |" in text and "| real tokens per step (mean) | 18,382 |" in text
+    assert "| micro-batches per step (mean) | 4.5 |" in text
+    assert "| per_sequence_cudnn_off | 896 | 0.5000 | 0.0400 | 0.0150 |" in text
+    assert "| varlen | - | - | varlen_attn failed: RuntimeError: sm | - |" in text
+    assert "cudnn on over off: 52.5x" in text and "out 0.004 (2)" in text and "(256-1280 tokens" in text

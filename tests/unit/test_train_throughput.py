@@ -1,14 +1,17 @@
 """benchmarks/train_throughput.py: its arithmetic against hand computations (FLOPs per token, the engines' padded token
-counts, the peak table, the qwen3-0.6b shape against the built-in spec of the published config), and one tiny run of
-each engine on CPU through the command line, whose JSON is checked against independent expectations (no speed
-assertion)."""
+counts, the peak table, the qwen3-0.6b shape against the built-in spec of the published config), a fresh batch for
+every update with the first update timed apart (a stand-in engine, and the report's sums over steps of different
+sizes), and one tiny run of each engine on CPU through the command line, whose JSON is checked against independent
+expectations (no speed assertion)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,6 +92,68 @@ def test_synthetic_batch_is_skewed_and_in_range(bench):
     assert torch.equal(batch.response_ids * (1 - batch.response_mask.long()), torch.zeros_like(batch.response_ids))
 
 
+def sizes(steps: int = 2, seed: int = 5) -> argparse.Namespace:
+    return argparse.Namespace(samples=16, prompt_length=4, max_response_length=96, seed=seed, steps=steps)
+
+
+def test_every_update_draws_a_fresh_batch_of_the_same_distribution(bench):
+    """A benchmark that times one batch over and over hides every per-shape cost in its warm-up (issue #43)."""
+    batches = bench.synthetic_batches(sizes(), 512, 3)
+    lengths = [tuple(b.response_lengths.tolist()) for b in batches]
+    assert len(set(lengths)) == 3, "two updates got the same lengths"
+    assert not torch.equal(batches[1].response_ids, batches[2].response_ids)
+    # the warm-up's is the single batch of old (seed + 0); every one keeps the distribution's tail at the maximum
+    assert torch.equal(batches[0].response_ids, bench.synthetic_batch(16, 4, 96, 512, seed=5).response_ids)
+    assert all(n[0] == 96 for n in lengths)
+
+
+class RecordingEngine:
+    def __init__(self):
+        self.seen = []
+
+    def update(self, batch, temperature):
+        self.seen.append(batch)
+        return {"actor/micro_batches": len(self.seen)}
+
+
+def test_the_first_update_is_timed_apart_and_each_timed_step_has_its_own_batch(bench):
+    syncs = []
+    backend = SimpleNamespace(synchronize=lambda: syncs.append(1))
+    batches = bench.synthetic_batches(sizes(steps=2), 512, 3)
+    engine = RecordingEngine()
+    first, seconds, metrics = bench.time_updates(engine, batches, backend)
+    assert engine.seen == batches  # in order, each once: the warm-up's, then one per timed step
+    assert first > 0 and len(seconds) == 2 and min(seconds) > 0
+    assert [m["actor/micro_batches"] for m in metrics] == [2, 3]  # the timed steps' own metrics, not the warm-up's
+    assert len(syncs) == 2 * 3  # before and after every update, the warm-up included
+
+
+def test_the_report_sums_steps_of_different_sizes(bench):
+    from gspo_ascend.doctor.modelspec import spec_from_dict
+
+    args = argparse.Namespace(**vars(sizes()), shape="tiny", engine="fsdp", dtype="float32", attn="sdpa",
+                              tokens_per_micro_batch=10_000)  # fmt: skip
+    batches = bench.synthetic_batches(args, 512, 3)
+    backend = SimpleNamespace(name="cpu", torch_device_type="cpu", device_name=lambda: "cpu")
+    raw = {"backend": backend, "batches": batches, "spec": spec_from_dict({"model_type": "qwen3", **bench.TINY}),
+           "overrides": [], "first_seconds": 3.0, "seconds": [1.0, 3.0], "peak": None, "predicted": 1,
+           "predicted_parts": {}, "metrics": [{"actor/micro_batches": 1}, {"actor/micro_batches": 1}]}  # fmt: skip
+    r = bench.report(args, raw)
+    lengths = [bench.sequence_lengths(b) for b in batches]
+    assert r["first_update_s"] == 3.0 and r["first_update_sequence_lengths"] == lengths[0]
+    assert r["step_sequence_lengths"] == lengths[1:] and r["step_tokens"] == [sum(n) for n in lengths[1:]]
+    assert r["step_tokens"][0] != r["step_tokens"][1]
+    assert r["tokens_per_step"] == pytest.approx(sum(r["step_tokens"]) / 2)
+    assert (r["mean_step_seconds"], r["median_step_seconds"], r["first_update_over_median"]) == (2.0, 2.0, 1.5)
+    assert r["tokens_per_second"] == pytest.approx(sum(r["step_tokens"]) / 4.0)  # sum of tokens / sum of seconds
+    # each step's FLOPs from its own lengths; their sum / the seconds == the pooled per-token figure x tokens/s
+    own = [bench.model_flops(raw["spec"], n)["per_token"] * sum(n) for n in lengths[1:]]
+    assert r["step_flops"] == pytest.approx(own)
+    assert r["tflops_per_second"] == pytest.approx(sum(own) / 4.0 / 1e12)
+    assert r["tflops_per_second"] == pytest.approx(r["flops_per_token"] * r["tokens_per_second"] / 1e12)
+    assert r["batch_seeds"] == [5, 6, 7]
+
+
 # ----------------------------------------------------------------------------------------------- the command line
 
 
@@ -121,22 +186,28 @@ def test_tiny_run_on_cpu(bench, engine, tmp_path):
     assert len(summary) == 1 and f"tiny {engine} on cpu" in summary[0]
     assert (result["shape"], result["engine"], result["device"], result["dtype"]) == ("tiny", engine, "cpu", "bfloat16")
 
-    # tokens: the batch the script builds, counted here from its mask; the engine's own response-token count agrees
+    # tokens: the batches the script builds (seed 0 the warm-up's, 1.. the timed steps'), counted here from their
+    # masks; the engine's own response-token count of the last step agrees
     shape = bench.SHAPES["tiny"]
-    batch = bench.synthetic_batch(shape.samples, shape.prompt_length, shape.max_response_length, 512, seed=0)
-    responses = int(batch.response_mask.sum())
-    tokens = shape.samples * shape.prompt_length + responses
-    assert result["tokens_per_step"] == tokens == sum(result["sequence_lengths"])
-    assert result["last_step_metrics"]["actor/num_tokens"] == responses
-    assert result["micro_batches_per_step"] == result["planned_micro_batches"] > 1
-    padded = result["processed_tokens_per_step"]
-    assert padded == result["tokens_per_step"] if engine == "fsdp" else padded > result["tokens_per_step"]
+    batches = [bench.synthetic_batch(shape.samples, shape.prompt_length, shape.max_response_length, 512, seed=i)
+               for i in range(STEPS + 1)]  # fmt: skip
+    responses = [int(b.response_mask.sum()) for b in batches]
+    tokens = [shape.samples * shape.prompt_length + n for n in responses]
+    assert result["first_update_tokens"] == tokens[0] and result["first_update_s"] > 0
+    assert result["step_tokens"] == tokens[1:] == [sum(n) for n in result["step_sequence_lengths"]]
+    assert result["step_sequence_lengths"][0] != result["step_sequence_lengths"][1]  # a fresh batch every step
+    assert result["tokens_per_step"] == pytest.approx(sum(tokens[1:]) / STEPS)
+    assert result["last_step_metrics"]["actor/num_tokens"] == responses[-1]
+    assert result["step_micro_batches"] == result["step_planned_micro_batches"]
+    assert min(result["step_micro_batches"]) > 1
+    padded, real = result["step_processed_tokens"], result["step_tokens"]
+    assert padded == real if engine == "fsdp" else all(p > t for p, t in zip(padded, real, strict=True))
 
     # time and FLOPs: the reported rates follow from the reported times, the formula from the hand computation above
     assert result["steps"] == len(result["step_seconds"]) == STEPS and min(result["step_seconds"]) > 0
-    tokens_per_s = result["tokens_per_step"] * STEPS / sum(result["step_seconds"])
+    tokens_per_s = sum(tokens[1:]) / sum(result["step_seconds"])
     assert result["tokens_per_second"] == pytest.approx(tokens_per_s)
-    lengths = result["sequence_lengths"]
+    lengths = [n for step in result["step_sequence_lengths"] for n in step]
     context = sum(n * (n + 1) / 2 for n in lengths) / sum(lengths)
     assert result["flops_per_token"] == pytest.approx(6 * 74112 + 6 * 512 * 64 + 12 * 2 * 4 * 16 * context)
     assert result["tflops_per_second"] == pytest.approx(result["flops_per_token"] * tokens_per_s / 1e12)

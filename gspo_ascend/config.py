@@ -100,8 +100,8 @@ class ActorConfig:
     offload: bool = False  # params/grads/optimizer to host between phases when colocated with rollout
     use_mc2: bool = False  # Ascend MC2 fused matmul+collective (MindSpeed --use-ascend-mc2): TP 2/4/8 + SP
     # fsdp engine: on = ZeRO-3 (layers re-gathered in backward, gradients reduced per micro-batch); off = layers
-    # kept gathered through the minibatch, gradients reduced once; auto = off where the planner says it fits
-    # (docs/engines.md)
+    # kept gathered through the minibatch, gradients reduced once; auto = off where the planner says it fits (on
+    # the host: one rank only; docs/engines.md)
     fsdp_reshard_after_forward: Literal["auto", "on", "off"] = "auto"
 
 

@@ -143,10 +143,13 @@ def logits_bytes(cfg, spec: ModelSpec, tp: int) -> int:
     (engines/fused_logprob.py): at most one chunk's logits in the model dtype and three fp32 [chunk, V] blocks
     (logits, softmax, a temporary) live, in backward; a model whose head is not a bias-free linear map (none of the
     planner's families) would take the full-logits path."""
-    e = ELEMENT_BYTES[cfg.model.dtype]
+    e, tokens = ELEMENT_BYTES[cfg.model.dtype], micro_tokens(cfg)
     if cfg.actor.engine == "fsdp":
-        return min(micro_tokens(cfg), FUSED_CHUNK_ROWS) * spec.vocab * (e + 12)
-    return micro_tokens(cfg) * (spec.vocab // tp) * (e + 4)
+        # over several chunks the head's weight gradient is summed in an fp32 [V, h] accumulator beside each chunk's
+        # [V, h] product in the model dtype
+        accumulate = (4 + e) * spec.vocab * spec.hidden if tokens > FUSED_CHUNK_ROWS else 0
+        return min(tokens, FUSED_CHUNK_ROWS) * spec.vocab * (e + 12) + accumulate
+    return tokens * (spec.vocab // tp) * (e + 4)
 
 
 # engines/fused_logprob.py's CHUNK_ROWS (the doctor imports no engine: a test holds the two equal)
@@ -243,15 +246,14 @@ def fsdp_train(cfg, spec: ModelSpec, usable: int | None = None, world: int | Non
 def fsdp_keeps_gathered(cfg, spec: ModelSpec, usable: int | None, world: int) -> bool:
     """``actor.fsdp_reshard_after_forward`` resolved: ``off`` keeps every layer gathered from its forward through
     the minibatch's last backward (no re-gather per micro-batch, one gradient reduce-scatter per minibatch);
-    ``on`` reshards (ZeRO-3). ``auto``: gathered on one rank (sharding over one rank saves nothing) and wherever
-    the plan with the layers gathered fits in KEEP_GATHERED_SHARE of the device's ``usable`` bytes (unknown: on)."""
+    ``on`` reshards (ZeRO-3). ``auto``: gathered wherever the plan with the layers gathered fits in
+    KEEP_GATHERED_SHARE of the device's memory (``usable``: its total bytes, what the engine reads at run time, so
+    plan and engine decide alike); where that is unknown (the host), gathered on one rank only."""
     mode = cfg.actor.fsdp_reshard_after_forward
     if mode != "auto":
         return mode == "off"
-    if world == 1:
-        return True
-    if usable is None:
-        return False
+    if usable is None:  # no device memory to plan by (the host): keep them where sharding saves nothing
+        return world == 1
     kept = with_value(cfg, "actor.fsdp_reshard_after_forward", "off")
     return fsdp_train(kept, spec, usable, world).total <= KEEP_GATHERED_SHARE * usable
 
@@ -464,7 +466,7 @@ def _add_communicators(cfg, spec: ModelSpec, train: Phase, rollout: Phase) -> in
 
 def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
     usable = (hw.hbm_mib - hw.reserved_mib) * 2**20
-    train = train_phase(cfg, spec, usable)
+    train = train_phase(cfg, spec, hw.hbm_mib * 2**20)  # fsdp_keeps_gathered: the device's total, as the engine
     rollout, kv_tokens = rollout_phase(cfg, spec, hw, train)
     comms = _add_communicators(cfg, spec, train, rollout) if hw.platform == "npu" else 0
     sync = sync_phase(cfg, spec, train, comms)

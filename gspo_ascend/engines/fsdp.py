@@ -150,9 +150,10 @@ class FSDPEngine:
         layer_types = set(getattr(model, "_no_split_modules", None) or ())
         units = [module for module in model.modules() if type(module).__name__ in layer_types]
         for unit in [*units, model]:  # one FSDP unit per decoder layer, then the rest in the root unit
-            # the root is never resharded after forward (FSDP2's default for it: backward needs it at once)
-            reshard = None if unit is model else not (trainable and self.keep_gathered)
-            fully_shard(unit, mesh=self.mesh, mp_policy=mp, reshard_after_forward=reshard)
+            # the root keeps FSDP2's default (not resharded after forward: backward needs it at once); the keyword
+            # is left out for it because torch 2.7 (the previous NPU line) takes no None there
+            layer = {} if unit is model else {"reshard_after_forward": not (trainable and self.keep_gathered)}
+            fully_shard(unit, mesh=self.mesh, mp_policy=mp, **layer)
             # gloo has no averaging reduce-scatter, and torch 2.8's gloo silently sums for ReduceOp.AVG (DP2
             # gradients came out doubled): have FSDP sum and divide itself, which is exact on every torch
             if self.backend.comm_backend == "gloo" and hasattr(unit, "set_force_sum_reduction_for_comms"):
@@ -177,14 +178,26 @@ class FSDPEngine:
         return ulysses.SPGroup(group, size, dist.get_rank(group))
 
     def _keeps_gathered(self, model_path: str) -> bool:
-        """actor.fsdp_reshard_after_forward, resolved by the planner for this model, world and device memory."""
+        """actor.fsdp_reshard_after_forward, resolved by the planner for this model, world and device memory, the
+        same on every rank (the smallest device decides: a rank deferring its reduce-scatter while another runs it
+        would hang). A model the planner does not know stays ZeRO-3 under auto, said once."""
+        import warnings
+
         from gspo_ascend.doctor.modelspec import load_spec
         from gspo_ascend.doctor.planner import fsdp_keeps_gathered
 
-        if self.cfg.actor.fsdp_reshard_after_forward != "auto" or self.world_size == 1:
-            return fsdp_keeps_gathered(self.cfg, None, None, self.world_size)
-        index = self.device.index or 0
-        return fsdp_keeps_gathered(self.cfg, load_spec(model_path), self.backend.total_memory(index), self.world_size)
+        total = self.backend.total_memory(self.device.index or 0)
+        if self.cfg.actor.fsdp_reshard_after_forward != "auto" or total is None:
+            return fsdp_keeps_gathered(self.cfg, None, total, self.world_size)
+        try:
+            spec = load_spec(model_path)
+        except UserError as exc:
+            warnings.warn(
+                f"actor.fsdp_reshard_after_forward=auto: ZeRO-3, the planner cannot size it ({exc})", stacklevel=2
+            )
+            return False
+        keep = fsdp_keeps_gathered(self.cfg, spec, total, self.world_size)
+        return bool(self._all_reduce([float(keep)], dist.ReduceOp.MIN)[0])
 
     def _dp_reduce_averages(self) -> bool:
         """Whether FSDP's gradient reduce-scatter averages over the DP ranks. NCCL / HCCL do; on gloo FSDP sums and
@@ -221,7 +234,7 @@ class FSDPEngine:
                 self.backend.empty_cache()
 
     def _tensors(self, part: str) -> list[torch.Tensor]:
-        if part == "optimizer":  # AdamW keeps "step" on the host anyway
+        if part == "optimizer":  # "step": one scalar per tensor (on the device with fused AdamW), left where it is
             return [
                 v for s in self.optimizer.state.values() for k, v in s.items() if k != "step" and torch.is_tensor(v)
             ]
@@ -299,7 +312,7 @@ class FSDPEngine:
         micros, plan, passes = self._micro_batches(group)
         out = torch.zeros(tuple(group.response_ids.shape), dtype=torch.float32)
         self.model.eval()
-        with torch.no_grad(), self._resharding():
+        with torch.no_grad(), self._resharding(self.model):
             for i in range(passes):
                 lp = self._log_probs(self.model, micros[i] if i < len(micros) else self._dummy_batch(), temperature)
                 if i < len(micros):
@@ -313,11 +326,12 @@ class FSDPEngine:
         self.model.train()
         records = []
         shards = [s.split(k) for s in self._group_shards(batch)]
-        for j in range(k):
-            minibatch = SampleBatch.concat([s[j] for s in shards]) if len(shards) > 1 else shards[0][j]
-            record = self.backward_minibatch(minibatch, temperature)
-            self._step(record)
-            records.append(record)
+        with self._resharding(self.ref_model):  # its forwards have no backward (see _resharding)
+            for j in range(k):
+                minibatch = SampleBatch.concat([s[j] for s in shards]) if len(shards) > 1 else shards[0][j]
+                record = self.backward_minibatch(minibatch, temperature)
+                self._step(record)
+                records.append(record)
         return self._metrics(records)
 
     @on_device
@@ -350,17 +364,20 @@ class FSDPEngine:
         return record
 
     @contextlib.contextmanager
-    def _resharding(self):
-        """Layers kept gathered are resharded by the backward that follows; a forward without one (the old log-probs)
-        reshards them itself, or they would stay gathered into the rollout phase."""
-        if not self.keep_gathered:
-            yield
-            return
-        self.model.set_reshard_after_forward(True)
+    def _resharding(self, model: torch.nn.Module | None):
+        """A forward without a backward (the old log-probs, the reference policy's) leaves what it gathered gathered:
+        the layers kept gathered, and under any setting the root unit (embeddings, lm_head), which FSDP2 never
+        reshards after forward. Reshard every unit after the body, so nothing stays gathered into the rollout.
+        (``reshard()``: torch 2.7, the previous NPU line, has no ``set_reshard_after_forward``.)"""
         try:
             yield
         finally:
-            self.model.set_reshard_after_forward(False)
+            if model is not None:
+                from torch.distributed.fsdp import FSDPModule
+
+                for module in model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
 
     def _defer_reduction(self, last: bool) -> None:
         """With the layers kept gathered, gradients accumulate unsharded in fp32 (FSDP2 upcasts them to the reduce

@@ -7,7 +7,8 @@ logits (at Qwen's V = 152k and a 16k-token micro-batch: 10 GB + 5 GB). Here one 
 hidden states and the LM head's weight instead and, per chunk of rows, computes the chunk's logits, upcasts them,
 keeps only each row's logsumexp and the picked log-prob, and drops the chunk; backward recomputes each chunk's
 logits (one more LM-head matmul) and forms ``d logits = g (onehot(y) - softmax) / T`` chunk by chunk. Peak: one
-[chunk, V] float32 block, in forward and backward.
+[chunk, V] float32 block (three in backward) and, when there are several chunks, the weight's gradient summed in a
+[V, H] float32 accumulator.
 
 How it is reached: inside the model's own forward. :func:`log_prob_head` swaps the forward of the model's output
 embedding (``lm_head``) for the duration of one call, so FSDP2's hooks on the root unit (which gather ``lm_head``'s
@@ -63,7 +64,10 @@ class _LinearLogProb(torch.autograd.Function):
         t, dtype = ctx.temperature, lse.dtype
         flat_h, flat_y, flat_g = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), grad_out.reshape(-1)
         grad_hidden = torch.empty_like(flat_h) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        chunks = -(-flat_h.shape[0] // ctx.chunk)
+        # the weight's gradient: one matmul's output for one chunk; over several, summed in fp32 (a [V, H] fp32
+        # accumulator beside each chunk's [V, H] product, which the planner counts)
+        grad_weight = None
         for start in range(0, flat_h.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             x = _chunk_logits(flat_h[rows], weight, t, dtype)
@@ -75,8 +79,14 @@ class _LinearLogProb(torch.autograd.Function):
             d = d.to(hidden.dtype)  # the plain path's autograd casts here too (the upcast's backward)
             if grad_hidden is not None:
                 grad_hidden[rows] = d @ weight
-            if grad_weight is not None:
-                grad_weight += (d.t() @ flat_h[rows]).to(dtype)
+            if ctx.needs_input_grad[1]:
+                product = d.t() @ flat_h[rows]
+                if chunks == 1:
+                    grad_weight = product
+                elif grad_weight is None:
+                    grad_weight = product.to(dtype)
+                else:
+                    grad_weight += product
         if grad_hidden is not None:
             grad_hidden = grad_hidden.view(hidden.shape)
         if grad_weight is not None:
@@ -103,25 +113,34 @@ def linear_log_probs(
     return _LinearLogProb.apply(hidden, weight, labels, float(temperature), chunk)
 
 
+# families whose forward returns the LM head's output as ``logits`` unchanged (transformers' modeling files read):
+# others scale or cap it after the head (Granite's logits_scaling, Gemma's soft-capping, Falcon-H1's multiplier), which
+# would then apply to log-probs. The planner's families, so every shipped config takes the fused path.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
 def supported(model: torch.nn.Module) -> bool:
-    """Whether the model's logits are exactly ``lm_head(last hidden states)`` with a bias-free linear head."""
+    """Whether the model's logits are exactly ``lm_head(last hidden states)``: a family known to return the head's
+    output unchanged, with a bias-free linear head."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    config = getattr(model, "config", None)
-    scaled = any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "output_multiplier"))
-    return type(head) is torch.nn.Linear and head.bias is None and not scaled
+    known = getattr(getattr(model, "config", None), "model_type", None) in MODEL_TYPES
+    return known and type(head) is torch.nn.Linear and head.bias is None
 
 
 @contextlib.contextmanager
-def log_prob_head(model: torch.nn.Module, labels: torch.Tensor, temperature: float) -> Iterator[None]:
+def log_prob_head(model: torch.nn.Module, labels: torch.Tensor, temperature: float) -> Iterator[list[torch.Tensor]]:
     """Inside the body, the model's ``logits`` are the log-probs of ``labels`` (shaped like the kept positions:
-    ``labels`` must have the shape of the LM head's input without its hidden dimension). One forward only."""
+    ``labels`` must have the shape of the LM head's input without its hidden dimension). One forward only. Yields
+    the list the head's outputs are appended to: the caller checks the model returned one of them unchanged."""
     head = model.get_output_embeddings()
+    produced: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return linear_log_probs(hidden, head.weight, labels, temperature)
+        produced.append(linear_log_probs(hidden, head.weight, labels, temperature))
+        return produced[-1]
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
     try:
-        yield
+        yield produced
     finally:
         del head.forward

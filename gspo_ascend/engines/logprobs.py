@@ -193,6 +193,12 @@ def head_log_probs(model, inputs: dict, labels: torch.Tensor, temperature: float
     on), picked by ``pick``: from the LM head's input where the head allows (engines/fused_logprob.py), else from
     the logits (also the Ulysses path's, engines/ulysses.py)."""
     if fused_logprob.supported(model):
-        with fused_logprob.log_prob_head(model, labels, temperature):
-            return pick(model(**inputs).logits)
+        with fused_logprob.log_prob_head(model, labels, temperature) as produced:
+            logits = model(**inputs).logits
+        if not any(logits is out for out in produced):  # a family that transforms its head's output after all
+            raise RuntimeError(
+                f"{type(model).__name__} changed its LM head's output before returning it: remove "
+                f"'{model.config.model_type}' from engines/fused_logprob.py MODEL_TYPES"
+            )
+        return pick(logits)
     return token_log_probs(pick(model(**inputs).logits), pick(labels), temperature)

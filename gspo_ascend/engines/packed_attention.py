@@ -116,7 +116,7 @@ def attention_forward(
     bounds = cu_seq_lens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds[:3]}...{bounds[-1:]} does not cover the row of {query.shape[2]}")
-    if inner == "sdpa" and _varlen_applies(query, kwargs):
+    if inner == "sdpa" and _varlen_applies(module, query, kwargs):
         return _varlen_forward(query, key, value, cu_seq_lens_q, bounds, kwargs)
     eager = fn.__name__ == "eager_attention_forward"
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -140,11 +140,14 @@ def _varlen_kernel() -> Any | None:
     return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
 
 
-def _varlen_applies(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+def _varlen_applies(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     """One varlen call per layer instead of one SDPA call per sequence: where the kernel exists (CUDA, half
-    precision; it has no CPU or fp32 kernel) and the call asks for nothing it does not do (dropout, soft-capping)."""
+    precision; it has no CPU or fp32 kernel) and the call asks for what it does (causal, no dropout, no
+    soft-capping, no window)."""
+    causal = kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
     plain = not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
-    return query.device.type == "cuda" and query.dtype in HALF and plain and _varlen_kernel() is not None
+    on_device = query.device.type == "cuda" and query.dtype in HALF
+    return causal and plain and on_device and _varlen_kernel() is not None
 
 
 def _varlen_forward(query, key, value, cu_host: torch.Tensor, bounds: list[int], kwargs: dict[str, Any]):

@@ -140,6 +140,11 @@ def _attention_tnd_torch(t):
     from ..engines import packed_attention
 
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (t["q"], t["k"], t["v"]))  # [1, N, T, D]
+    if q.device.type == "cuda" and q.dtype in packed_attention.HALF and packed_attention._varlen_kernel() is None:
+        raise CheckFailed(  # correct, but the slow path: say so rather than pass on the per-sequence loop
+            f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn with window_size (2.10+): the "
+            "packed path runs one attention per sequence here"
+        )
     cu = torch.tensor([0, *_ends()], dtype=torch.int32)
     config = types.SimpleNamespace(_attn_implementation=packed_attention.PREFIX + "sdpa")
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=q.shape[1] // k.shape[1], config=config)

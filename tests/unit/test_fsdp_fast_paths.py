@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from benchmarks.train_throughput import QWEN3_0_6B
 from gspo_ascend.config import load_config
 from gspo_ascend.device import CPU, CUDA, NPU_SHIM, get_backend
 from gspo_ascend.doctor import planner
@@ -78,8 +79,9 @@ def test_kept_gathered_layers_reduce_once_per_minibatch_and_equal_zero3(model_pa
         assert engine.optimizer.defaults["fused"] is True  # fused AdamW, not foreach
         seen = _watch(engine)
         engine.compute_log_probs(batch, 1.0)
-        # a forward without backward reshards what it gathered, whichever mode: nothing stays gathered into rollout
-        assert all(isinstance(p, DTensor) for p in _layer_params(engine))
+        # a forward without backward reshards what it gathered, whichever mode and the root unit too (FSDP2 never
+        # reshards a root after forward): nothing stays gathered into the rollout
+        assert all(isinstance(p, DTensor) for p in engine.model.parameters())
         metrics = engine.update(batch, 1.0)
         assert len(seen) >= 3, "the test needs several micro-batches"
         if mode == "off":  # gathered through every micro-batch; no reduced gradient before the last backward
@@ -95,27 +97,22 @@ def test_kept_gathered_layers_reduce_once_per_minibatch_and_equal_zero3(model_pa
         assert (w_off[name] - value).abs().max() <= 1e-6, name
 
 
+def test_the_kl_reference_is_resharded_after_an_update(model_path):
+    from gspo_ascend.engines.fsdp import FSDPEngine
+
+    cfg = engine_config("data.train_batch_size=8", "algorithm.minibatches_per_rollout=1", "algorithm.kl_coef=0.1")
+    engine = FSDPEngine(cfg, get_backend("cpu"), model_path)
+    engine.update(_batch(model_path), 1.0)
+    assert all(isinstance(p, DTensor) for p in engine.ref_model.parameters())  # its root too: forwards only
+    engine.close()
+
+
 def _cfg(*overrides: str):
     return load_config(None, ["actor.engine=fsdp", "model.dtype=bfloat16", *overrides])
 
 
-# Qwen3-0.6B's published config.json, the fields the planner reads
-QWEN3_06B = {
-    "model_type": "qwen3",
-    "hidden_size": 1024,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 3072,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 40960,
-}
-
-
 def test_planner_keeps_layers_gathered_where_they_fit():
-    spec = spec_from_dict(QWEN3_06B)
+    spec = spec_from_dict({**QWEN3_0_6B, "model_type": "qwen3"})  # Qwen3-0.6B's published config
     auto = _cfg("trainer.devices_per_node=8")
     assert planner.fsdp_keeps_gathered(auto, spec, None, 1)  # one rank: sharding saves nothing
     assert not planner.fsdp_keeps_gathered(auto, spec, None, 8)  # device memory unknown: ZeRO-3
@@ -136,9 +133,12 @@ def test_the_planner_counts_the_fused_heads_chunk():
     from gspo_ascend.engines.fused_logprob import CHUNK_ROWS
 
     assert planner.FUSED_CHUNK_ROWS == CHUNK_ROWS
-    spec = spec_from_dict(QWEN3_06B)
+    spec = spec_from_dict({**QWEN3_0_6B, "model_type": "qwen3"})  # Qwen3-0.6B's published config
     fsdp = _cfg("actor.max_tokens_per_micro_batch=16384")
-    assert planner.logits_bytes(fsdp, spec, 1) == 1024 * 151936 * (2 + 12)  # one chunk, not the 16k rows
+    # one chunk, not the 16k rows; over several chunks, the head's weight gradient in fp32 beside a bf16 product
+    assert planner.logits_bytes(fsdp, spec, 1) == 1024 * 151936 * (2 + 12) + (4 + 2) * 151936 * 1024
+    one_chunk = _cfg("actor.max_tokens_per_micro_batch=1000")
+    assert planner.logits_bytes(one_chunk, spec, 1) == 1000 * 151936 * (2 + 12)
     megatron = _cfg("actor.engine=megatron", "actor.max_tokens_per_micro_batch=16384")
     assert planner.logits_bytes(megatron, spec, 1) == 16384 * 151936 * (2 + 4)
 

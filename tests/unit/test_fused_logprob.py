@@ -96,7 +96,7 @@ def test_model_forward_takes_the_fused_head_and_equals_the_plain_path(model_path
     calls = _vocab_sized_linear_calls(model, monkeypatch)
     fused, fused_grads = run()
     assert calls == []  # the head never produced logits: the fused path was taken
-    monkeypatch.setattr(fused_logprob, "supported", lambda m: False)
+    monkeypatch.setattr(fused_logprob, "supported", lambda m: False)  # the plain path on the same model
     plain, plain_grads = run()
     assert calls  # the plain path does run the head
     assert model.get_output_embeddings().forward.__func__ is torch.nn.Linear.forward  # the swap was undone
@@ -105,14 +105,52 @@ def test_model_forward_takes_the_fused_head_and_equals_the_plain_path(model_path
         assert (f - p).abs().max() <= 1e-6 * p.abs().max().clamp_min(1.0)
 
 
-def test_heads_that_are_not_a_bias_free_linear_keep_the_plain_path(model_path):
+def test_heads_that_are_not_a_known_bias_free_linear_keep_the_plain_path(model_path):
     model = _plain_model(model_path)
-    model.config.final_logit_softcapping = 30.0
+    model.config.model_type = "granite"  # scales its logits after the head (config.logits_scaling)
     assert not fused_logprob.supported(model)
-    model.config.final_logit_softcapping = None
+    model.config.model_type = "qwen3"
     head = model.get_output_embeddings()
     head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
     assert not fused_logprob.supported(model)
+
+
+class _ScalesItsLogits(torch.nn.Module):
+    """A family that divides its head's output before returning it (as Granite does), listed by mistake."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        out = self.inner(**kwargs)
+        out.logits = out.logits / 8
+        return out
+
+
+def test_a_family_that_changes_the_heads_output_is_refused_not_mislabelled(model_path):
+    model = _ScalesItsLogits(_plain_model(model_path))
+    assert fused_logprob.supported(model)
+    with pytest.raises(RuntimeError, match="MODEL_TYPES"):
+        forward_log_probs(model, make_batch(2, 4, seed=6, min_response=1), 1.0, packed=True)
+
+
+def test_tied_embeddings_get_both_gradients(model_path):
+    # Qwen3-0.6B and Qwen2.5-3B tie lm_head to embed_tokens: the head's gradient and the embedding's add up
+    batch = make_batch(5, 6, seed=7, min_response=1)
+    grads = []
+    for fused in (True, False):
+        model = _plain_model(model_path, torch.float64)
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        if not fused:
+            model.config.model_type = "not-listed"
+        assert fused_logprob.supported(model) is fused
+        lp = forward_log_probs(model, batch, 0.9, packed=True)
+        (grads.append(torch.autograd.grad(lp.sum(), model.get_input_embeddings().weight)[0]), grads.append(lp))
+    assert (grads[0] - grads[2]).abs().max() < 1e-12 and (grads[1] - grads[3]).abs().max() < 1e-12
 
 
 def test_an_empty_batch_still_runs_one_connected_forward(model_path):

@@ -193,7 +193,7 @@ def test_fsdp_engine_routes_packed_attention_only_when_packing(model_path, tmp_p
         engine.close()
 
 
-def _varlen_stand_in(calls: list):
+def _varlen_stand_in(calls: list, gqa: bool = False):
     """TEST-ONLY stand-in for torch.nn.attention.varlen.varlen_attn, which has no CPU kernel (CUDA half precision
     only): its documented semantics computed plainly (per segment of cu_seq, softmax(q k^T * scale) v with the
     causal window (-1, 0), K / V heads as given), so what is tested is our plumbing around it (layout, GQA heads,
@@ -203,6 +203,15 @@ def _varlen_stand_in(calls: list):
     def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
         assert q.shape[1] == k.shape[1] == v.shape[1], "KV heads must arrive repeated (no enable_gqa before 2.12)"
+        return attend(q, k, v, cu_q, max_q, max_k, scale)
+
+    def varlen_attn_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        # torch >= 2.12: the KV heads as the model has them, the kernel groups the query heads
+        assert enable_gqa and window_size == (-1, 0) and q.shape[1] == 2 * k.shape[1]
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        return attend(q, k, v, cu_q, max_q, max_k, scale)
+
+    def attend(q, k, v, cu_q, max_q, max_k, scale):
         bounds = cu_q.tolist()
         assert max_q == max_k == max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
         calls.append(len(bounds) - 1)
@@ -215,12 +224,13 @@ def _varlen_stand_in(calls: list):
             out.append((scores.softmax(-1) @ vs).transpose(0, 1))
         return torch.cat(out)
 
-    return varlen_attn
+    return varlen_attn_gqa if gqa else varlen_attn
 
 
-def test_varlen_path_is_one_call_per_layer_and_equals_the_per_sequence_loop(model_path, monkeypatch):
+@pytest.mark.parametrize("gqa", [False, True], ids=["kv-repeated", "enable_gqa"])
+def test_varlen_path_is_one_call_per_layer_and_equals_the_per_sequence_loop(model_path, monkeypatch, gqa):
     model, looped = load(model_path, "sdpa"), load(model_path, "sdpa")
-    assert model.config.num_attention_heads > model.config.num_key_value_heads  # GQA: the repeat is exercised
+    assert model.config.num_attention_heads == 2 * model.config.num_key_value_heads  # GQA, 2 query heads per KV
     for m in (model, looped):
         packed_attention.enable(m)
     ids, pos = packed_inputs(LENGTHS, seed=3)
@@ -235,10 +245,10 @@ def test_varlen_path_is_one_call_per_layer_and_equals_the_per_sequence_loop(mode
 
     expected = run(looped)  # the per-sequence loop (CPU: varlen does not apply)
     calls: list[int] = []
-    monkeypatch.setattr(packed_attention, "_varlen_kernel", lambda: _varlen_stand_in(calls))
+    monkeypatch.setattr(packed_attention, "_varlen_kernel", lambda: _varlen_stand_in(calls, gqa))
     monkeypatch.setattr(packed_attention, "HALF", (torch.float64,))  # float64 stands for half precision here
     original = packed_attention._varlen_applies  # and the CPU query for a CUDA one, in the device check only
-    monkeypatch.setattr(packed_attention, "_varlen_applies", lambda q, kw: original(_AsCuda(q), kw))
+    monkeypatch.setattr(packed_attention, "_varlen_applies", lambda m, q, kw: original(m, _AsCuda(q), kw))
     got = run(model)
     assert calls == [len(LENGTHS)] * model.config.num_hidden_layers  # one call per layer, every sequence in it
     assert (got - expected).abs().max() <= 1e-10

@@ -171,8 +171,9 @@ def test_preflight_and_planner_know_sp():
     # 10240 / 4 = 2560 tokens per device: 36 layer inputs x 2h B x 2560 = 377,487,360 + one layer's working set
     # 2 B x (4h + hd 128 x (2 x 16 q + 2 x 4 KV, repeated from 2) + 3 x 11008) = 92,672 B x 2560 = 237,240,320
     assert p.train.parts["activations"] == 377_487_360 + 237_240_320
-    # the fused head's one chunk of 1024 rows (engines/fused_logprob.py), not the device's 2560: bf16 + 3 fp32 blocks
-    assert p.train.parts["logits"] == 1024 * 151936 * (2 + 12)
+    # the fused head's one chunk of 1024 rows (engines/fused_logprob.py), not the device's 2560: bf16 + 3 fp32 blocks;
+    # over 3 chunks the head's weight gradient in an fp32 accumulator beside a bf16 product
+    assert p.train.parts["logits"] == 1024 * 151936 * (2 + 12) + (4 + 2) * 151936 * 2048
     assert "SP 4 x DP 2" in p.layout
 
 

@@ -137,7 +137,13 @@ def _varlen_kernel() -> Any | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+    return varlen_attn if _takes(varlen_attn, "window_size") else None
+
+
+@functools.cache
+def _takes(fn: Any, keyword: str) -> bool:
+    """Whether ``fn`` has the keyword, read once: the varlen call is made in every layer of every forward."""
+    return keyword in inspect.signature(fn).parameters
 
 
 def _varlen_applies(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
@@ -156,7 +162,7 @@ def _varlen_forward(query, key, value, cu_host: torch.Tensor, bounds: list[int],
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, D]
     extra: dict[str, Any] = {}
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and "enable_gqa" in inspect.signature(kernel).parameters:  # torch >= 2.12
+    if groups > 1 and _takes(kernel, "enable_gqa"):  # torch >= 2.12
         extra["enable_gqa"] = True
     elif groups > 1:  # repeat the KV heads, as transformers' eager attention does
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

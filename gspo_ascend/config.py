@@ -103,6 +103,10 @@ class ActorConfig:
     # kept gathered through the minibatch, gradients reduced once; auto = off where the planner says it fits (on
     # the host: one rank only; docs/engines.md)
     fsdp_reshard_after_forward: Literal["auto", "on", "off"] = "auto"
+    # MoE routing replay (engines/routing.py, docs/engines.md): r2 = the experts the old-log-prob forward chose are
+    # replayed in the update's forwards (the GSPO paper's Routing Replay); r3 = the rollout engine's experts are
+    # replayed in every trainer forward of the sample; off = each forward routes for itself
+    routing_replay: Literal["off", "r2", "r3"] = "off"
 
 
 @dataclass
@@ -298,8 +302,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 continue
     elif origin is Literal:
         choices = typing.get_args(tp)
-        if isinstance(value, bool) and {"on", "off"} <= set(choices):  # YAML reads a bare on / off as a boolean
-            return "on" if value else "off"
+        word = ("on" if value else "off") if isinstance(value, bool) else None
+        if word in choices:  # YAML reads a bare on / off as a boolean
+            return word
         if value in choices:
             return value
     elif origin is list:
@@ -553,6 +558,23 @@ def _fsdp_reshard(cfg: Config) -> Iterable[str]:
     if mode != "auto" and cfg.actor.engine != "fsdp":
         yield (
             f"config key 'actor.fsdp_reshard_after_forward' ({mode}) is the fsdp engine's: leave it auto with megatron"
+        )
+
+
+@validator
+def _routing_replay(cfg: Config) -> Iterable[str]:
+    """What replay needs that the config alone shows; a dense model and an engine that cannot record routes are
+    refused where the model and engine are known (runtime.prepare, engines)."""
+    mode, key = cfg.actor.routing_replay, "config key 'actor.routing_replay'"
+    if mode == "r2" and cfg.algorithm.old_logprobs != "recompute":
+        yield (
+            f"{key} (r2) replays the routes of the old-log-prob forward, which algorithm.old_logprobs=engine skips: "
+            "set algorithm.old_logprobs=recompute, or use r3 (the rollout engine's routes)"
+        )
+    if mode != "off" and cfg.actor.ulysses_sequence_parallel_size > 1:
+        yield (
+            f"{key} ({mode}) is not wired through Ulysses sequence parallelism yet: set "
+            "actor.ulysses_sequence_parallel_size=1, or routing_replay=off"
         )
 
 

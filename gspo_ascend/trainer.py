@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from . import validation
-from .algorithms import grpo_advantages
+from .algorithms import grpo_advantages, kl_k3
 from .config import Config, behavior_correction, to_dict
 from .engines import SampleBatch
 from .errors import Stopped, UserError
@@ -183,9 +183,14 @@ def batch_metrics(batch: SampleBatch) -> dict[str, float]:
     }
     if batch.old_log_probs is not batch.rollout_log_probs and batch.rollout_log_probs is not None:
         # the train/inference mismatch the paper says GSPO tolerates: |log pi_rollout - log pi_train| per token
-        gap = (batch.rollout_log_probs - batch.old_log_probs).abs()[mask]
+        delta = (batch.rollout_log_probs - batch.old_log_probs)[mask]
+        gap = delta.abs()
         metrics["rollout/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
         metrics["rollout/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+        # KL(pi_rollout || pi_train) per token, k3 (algorithms/kl.py) with r = pi_train / pi_rollout: unbiased on the
+        # rollout's own samples; the mismatch measure verl and the MoE-replay papers report beside the mean |diff|
+        k3 = kl_k3(batch.rollout_log_probs, batch.old_log_probs)[mask]
+        metrics["rollout/logprob_gap_k3"] = float(k3.mean()) if gap.numel() else 0.0
     return metrics
 
 

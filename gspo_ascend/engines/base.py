@@ -47,6 +47,9 @@ class SampleBatch:
     # multi-turn trajectory (agent_loop.py) has its tool turns in response_mask (context the model attends to) and
     # only the model's own tokens here: the loss, GSPO's length normalisation and the behaviour weight read it
     loss_mask: torch.Tensor | None = None
+    # per sample, the MoE experts the rollout engine routed each fed token to: [tokens, layers, k] uint8 / int16
+    # (engines/routing.py), tokens = prompt + response - 1 (the last sampled token is never fed); None = not recorded
+    routed_experts: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         b, r = self.response_ids.shape
@@ -59,6 +62,8 @@ class SampleBatch:
             self.loss_mask.shape != self.response_mask.shape or bool((self.loss_mask > self.response_mask).any())
         ):
             raise ValueError("SampleBatch: loss_mask must have response_mask's shape and lie within it")
+        if self.routed_experts is not None and len(self.routed_experts) != b:
+            raise ValueError(f"SampleBatch: {len(self.routed_experts)} routed_experts for {b} samples")
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -80,6 +85,8 @@ class SampleBatch:
         rows = list(range(len(self)))[index] if isinstance(index, slice) else list(index)
         idx = torch.as_tensor(rows, dtype=torch.long)
         kwargs: dict[str, Any] = {"prompt_ids": [self.prompt_ids[i] for i in rows]}
+        if self.routed_experts is not None:
+            kwargs["routed_experts"] = [self.routed_experts[i] for i in rows]
         for name in TENSOR_FIELDS:
             value = getattr(self, name)
             kwargs[name] = None if value is None else value.index_select(0, idx)
@@ -100,6 +107,11 @@ class SampleBatch:
         if not batches:
             raise ValueError("SampleBatch.concat needs at least one batch")
         kwargs: dict[str, Any] = {"prompt_ids": [p for b in batches for p in b.prompt_ids]}
+        routed = [b.routed_experts is not None for b in batches if len(b)]  # an empty batch carries no routes
+        if routed and all(routed):
+            kwargs["routed_experts"] = [r for b in batches for r in b.routed_experts or []]
+        elif any(routed):
+            raise ValueError("SampleBatch.concat: some batches carry routed_experts and some do not")
         for name in TENSOR_FIELDS:
             values = [getattr(b, name) for b in batches]
             kwargs[name] = None if any(v is None for v in values) else torch.cat(values, 0)

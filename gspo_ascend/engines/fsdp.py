@@ -42,11 +42,11 @@ import torch.distributed as dist
 from gspo_ascend.algorithms import count_tokens_and_seqs
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
-from gspo_ascend.engines import packed_attention, ulysses
+from gspo_ascend.engines import packed_attention, routing, ulysses
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.hf_load import load_causal_lm
-from gspo_ascend.engines.logprobs import forward_log_probs
+from gspo_ascend.engines.logprobs import forward_log_probs, token_layout
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
     MinibatchRecord,
@@ -103,6 +103,7 @@ class FSDPEngine:
         self._loss_scale = self.world_size if self._dp_reduce_averages() else 1
         self.ref_model = self._build_model(model_path, trainable=False)[0] if cfg.algorithm.kl_coef > 0 else None
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        self.routes = self._replay_book()
         a = cfg.actor
         # fused: one kernel over every tensor (CUDA, CPU, and NPU, whose torch_npu registers _fused_adamw_ for
         # PrivateUse1: npu_native_functions_by_codegen.yaml in the 2.7.1 and 2.10 wheels); on CPU 10x foreach's step
@@ -162,6 +163,24 @@ class FSDPEngine:
             model.requires_grad_(False)
             model.eval()
         return model, tied
+
+    def _replay_book(self) -> routing.ReplayBook | None:
+        """Routing replay and agreement (engines/routing.py) on an MoE model; refused on a dense one. Under Ulysses
+        SP the routers see a rank's slice of the row, which the replay is not wired for (config refuses replay
+        there): no routing metrics, said once."""
+        mode, shape = self.cfg.actor.routing_replay, routing.moe_shape(self.model)
+        if shape is None:
+            if mode != "off":
+                raise ConfigError(
+                    f"config key 'actor.routing_replay' ({mode}) needs an MoE model with a supported router "
+                    f"({', '.join(routing.MODEL_TYPES)}); {self.model.config.model_type} has none: set it to off"
+                )
+            return None
+        if self.sp is not None:
+            if self.rank == 0:
+                print("note: routing agreement is not measured under Ulysses sequence parallelism", flush=True)
+            return None
+        return routing.ReplayBook(mode, *shape)
 
     def _sp_group(self, size: int) -> ulysses.SPGroup | None:
         """Ulysses SP (engines/ulysses.py): consecutive ranks form a group; data parallel over world / size."""
@@ -312,10 +331,14 @@ class FSDPEngine:
         micros, plan, passes = self._micro_batches(group)
         out = torch.zeros(tuple(group.response_ids.shape), dtype=torch.float32)
         self.model.eval()
+        if self.routes is not None:
+            self.routes.old_routes = {}  # this forward's routes replace the last batch's
         with torch.no_grad(), self._resharding(self.model):
             for i in range(passes):
-                lp = self._log_probs(self.model, micros[i] if i < len(micros) else self._dummy_batch(), temperature)
-                if i < len(micros):
+                micro = micros[i] if i < len(micros) else None
+                with self._routing(micro, "old"):
+                    lp = self._log_probs(self.model, micro or self._dummy_batch(), temperature)
+                if micro is not None:
                     out[plan.groups[i]] = lp.float().cpu()
         return out[start : start + len(batch)]  # this rank's rows
 
@@ -332,7 +355,10 @@ class FSDPEngine:
                 record = self.backward_minibatch(minibatch, temperature)
                 self._step(record)
                 records.append(record)
-        return self._metrics(records)
+        metrics = self._metrics(records)
+        if self.routes is not None:
+            metrics.update(self.routes.metrics(self._all_reduce))
+        return metrics
 
     @on_device
     def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> MinibatchRecord:
@@ -355,9 +381,10 @@ class FSDPEngine:
             if i >= len(micros):
                 (self._log_probs(self.model, self._dummy_batch(), temperature).sum() * 0.0).backward()
                 continue
-            loss, metrics = self._micro_loss(micros[i], temperature, global_tokens, global_seqs, norm_length)
-            bad |= ~torch.isfinite(loss.detach())
-            (loss * self._loss_scale).backward()  # see __init__: undo FSDP's DP average
+            with self._routing(micros[i], "update"):  # through backward: checkpointed layers re-run their forward
+                loss, metrics = self._micro_loss(micros[i], temperature, global_tokens, global_seqs, norm_length)
+                bad |= ~torch.isfinite(loss.detach())
+                (loss * self._loss_scale).backward()  # see __init__: undo FSDP's DP average
             if self.reports:
                 record.add(metrics)
         record.skipped = bool(bad)
@@ -378,6 +405,26 @@ class FSDPEngine:
                 for module in model.modules():
                     if isinstance(module, FSDPModule):
                         module.reshard()
+
+    @contextlib.contextmanager
+    def _routing(self, micro: SampleBatch | None, phase: str):
+        """The policy's routers through one micro-batch's passes (routing.ReplayBook says what they replay and
+        compare per phase); the ``old`` forward's own routes are kept for the update. The KL reference policy routes
+        for itself. Nothing for a dummy pass or a model without routing replay."""
+        book = self.routes
+        if book is None or micro is None:
+            yield
+            return
+        starts, lengths, total = token_layout(micro, self.cfg.actor.use_remove_padding)
+        replay, compare = (
+            None if routes is None else routing.flatten(routes, starts, lengths, total, self.device)
+            for routes in book.targets(micro, phase)
+        )
+        with routing.routed(self.model, replay=replay, compare=compare, record=phase == "old") as log:
+            yield
+        (book.rollout if phase == "old" else book.update).merge(log.agreement)
+        if phase == "old":
+            book.remember(micro, routing.split(log.stacked(), starts, lengths, book.dtype))
 
     def _defer_reduction(self, last: bool) -> None:
         """With the layers kept gathered, gradients accumulate unsharded in fp32 (FSDP2 upcasts them to the reduce

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ConfigError, UserError
+from . import routing
 from .base import Request, SampleBatch, SamplingParams, check_prompt_tokens, requests_for
 from .hf_load import load_causal_lm
 
@@ -78,6 +79,10 @@ class HFRolloutEngine:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self._clean_generation_defaults()
         self._targets = _named_targets(self.model)
+        # an MoE model's routes are recorded with every sample (SampleBatch.routed_experts): the trainer's routing
+        # agreement and routing replay r3 read them (engines/routing.py)
+        shape = routing.moe_shape(self.model)
+        self.route_dtype = None if shape is None else routing.route_dtype(shape[2])
 
     # ------------------------------------------------------------------------------------------- generate
 
@@ -100,6 +105,7 @@ class HFRolloutEngine:
             raise ConfigError(f"a request's max_new_tokens must be in [1, {r}] (the batch width)")
         ids = torch.full((len(rows), r), self.pad_token_id, dtype=torch.long)
         logps = torch.zeros(ids.shape, dtype=torch.float32)
+        routes: list[torch.Tensor] = []
         chunk = self.max_batch_size or max(len(rows), 1)
         for k, start in enumerate(range(0, len(rows), chunk)):
             part = slice(start, start + chunk)
@@ -107,14 +113,17 @@ class HFRolloutEngine:
             prompts = [list(requests[j].prompt_ids) for j in rows[part]]
             sub = dataclasses.replace(params, max_new_tokens=top)
             got = self._generate_chunk(prompts, sub, _chunk_seed(requests[0].seed, k), budgets[part])
-            ids[part, :top], logps[part, :top] = got
+            ids[part, :top], logps[part, :top] = got[:2]
+            routes += got[2]
         within = torch.arange(r)[None, :] < budgets[:, None]  # a row's own budget
         ids, logps = ids.masked_fill(~within, self.pad_token_id), logps * within
         # EOS within the sample's own budget (the columns after it hold the pad id, which may itself be an EOS id)
         finished = (torch.isin(ids, torch.tensor(list(self.eos_token_ids), dtype=ids.dtype)) & within).any(-1)
         ids, mask, logps = _finish(ids, logps, self.eos_token_ids, self.pad_token_id)
         mask = mask * within  # a pad id that is an EOS id must not count as the EOS of a sample cut at its budget
+        fed = [len(requests[j].prompt_ids) + n - 1 for j, n in zip(rows, mask.sum(-1).long().tolist(), strict=True)]
         return SampleBatch(
+            routed_experts=[r[:n] for r, n in zip(routes, fed, strict=True)] if self.route_dtype else None,
             prompt_ids=[list(requests[j].prompt_ids) for j in rows],
             response_ids=ids,
             response_mask=mask,
@@ -125,9 +134,10 @@ class HFRolloutEngine:
 
     def _generate_chunk(
         self, prompts: list[list[int]], params: SamplingParams, seed: int, budgets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ``model.generate`` call: ([b, R] int64 ids, [b, R] float32 log-probs), on the host, unmasked. With
-        ``budgets`` ([b]) below ``params.max_new_tokens``, row i stops after ``budgets[i]`` tokens."""
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """One ``model.generate`` call: ([b, R] int64 ids, [b, R] float32 log-probs, on the host, unmasked; per row
+        the routes of every token fed, [prompt + steps - 1, layers, k], on an MoE model). With ``budgets`` ([b])
+        below ``params.max_new_tokens``, row i stops after ``budgets[i]`` tokens."""
         input_ids, attention_mask = _left_pad(prompts, self.pad_token_id, self.device)
         greedy = params.temperature == 0
         config = self._generation_config(params)
@@ -136,7 +146,8 @@ class HFRolloutEngine:
             from transformers import StoppingCriteriaList
 
             extra["stopping_criteria"] = StoppingCriteriaList([_RowBudgets(budgets, input_ids.shape[1])])
-        with torch.no_grad(), self._forked_rng():
+        recording = routing.routed(self.model, record=True) if self.route_dtype else contextlib.nullcontext()
+        with torch.no_grad(), self._forked_rng(), recording as log:
             self.backend.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **extra
@@ -153,7 +164,17 @@ class HFRolloutEngine:
         logps = torch.zeros(ids.shape, dtype=torch.float32)
         if steps:  # one device-to-host copy each, not one per step
             ids[:, :steps], logps[:, :steps] = tokens.cpu(), torch.stack(per_step, 1).cpu()
-        return ids, logps
+        return ids, logps, self._row_routes(log, prompts) if self.route_dtype else []
+
+    def _row_routes(self, log: routing.RouteLog, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Per row, its routes in input order: the prefill call (left-padded [b, width] flattened) from the row's
+        first prompt token, then one row per decode call (the token sampled one step before)."""
+        b, width = len(prompts), max(len(p) for p in prompts)
+        calls = len(log.own[0])
+        steps = [log.stacked(c).to("cpu", self.route_dtype) for c in range(calls)]
+        prefill = steps[0].reshape(b, width, *steps[0].shape[1:])
+        decode = torch.stack(steps[1:], 1) if calls > 1 else prefill[:, :0]  # [b, calls - 1, layers, k]
+        return [torch.cat([prefill[i, width - len(p) :], decode[i]], 0) for i, p in enumerate(prompts)]
 
     def _generation_config(self, params: SamplingParams) -> Any:
         """Every sampling knob set explicitly: unset fields would fall back to transformers' defaults (top_k=50)."""

@@ -25,6 +25,7 @@ and skips the LM head on prompt tokens in both layouts. Log-probs at response pa
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -163,6 +164,16 @@ def _padded_inputs(model, prompts, responses, device, pad_id: int) -> _Kept:
         return _Kept(inputs, labels.to(device), lambda out: out[0, :1], targets)
     index = (torch.tensor(targets.rows, device=device), torch.tensor(targets.keep, device=device))
     return _Kept(inputs, labels.to(device), lambda out: out[index], targets)
+
+
+def token_layout(batch: SampleBatch, packed: bool) -> tuple[list[int], list[int], int]:
+    """Where each sample's tokens (prompt + response) sit in the flattened input of :func:`forward_log_probs`:
+    (starts, lengths, total tokens). Packed: one after another in one row; padded: row i of a [B, T] input."""
+    lengths = [len(p) + n for p, n in zip(batch.prompt_ids, response_lengths(batch), strict=True)]
+    if packed:
+        return [0, *itertools.accumulate(lengths[:-1])], lengths, sum(lengths)
+    width = max(lengths)
+    return [i * width for i in range(len(lengths))], lengths, width * len(lengths)
 
 
 def forward_log_probs(

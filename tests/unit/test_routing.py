@@ -1,0 +1,274 @@
+"""MoE routing replay and routing agreement (engines/routing.py) on the tiny Qwen3-MoE: the hf rollout engine's
+routes, the fsdp engine's replay (r2, r3) and its agreement metrics.
+
+Expected values are independent: the experts a forward really used are read from the experts module's own
+``top_k_index`` argument (a forward pre-hook), the gate weights recomputed from the router's weight by hand, the
+rollout's routes compared with one plain forward of the whole sequence.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from gspo_ascend.device import get_backend
+from gspo_ascend.engines import routing
+from gspo_ascend.engines.base import SampleBatch, SamplingParams, empty_batch
+from gspo_ascend.errors import ConfigError
+from tests.unit.fsdp_worker import engine_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+CPU = get_backend("cpu")
+PROMPTS = [[5, 17, 33, 9], [41, 7], [100, 3, 250, 61, 8, 12], [77]]
+
+
+@pytest.fixture(scope="module")
+def moe_path() -> str:
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model(moe=True))
+
+
+def plain(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+class UsedExperts:
+    """Records the ``top_k_index`` every experts module is called with: the experts a forward really used."""
+
+    def __init__(self, model) -> None:
+        self.calls: list[torch.Tensor] = []
+        experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+        self.handles = [m.register_forward_pre_hook(self._hook) for m in experts]
+        self.layers = len(experts)
+
+    def _hook(self, module, args):
+        self.calls.append(args[1].detach().clone())
+
+    def per_layer(self) -> torch.Tensor:
+        """[tokens, layers, k] of one forward (the last ``layers`` calls)."""
+        return torch.stack(self.calls[-self.layers :], 1)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+
+def perturb_routers(model, scale: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for r in routing.routers(model):
+            w = r.weight.to_local() if hasattr(r.weight, "to_local") else r.weight  # an FSDP shard: all of it at DP1
+            w.add_(scale * torch.randn(w.shape, generator=g))
+
+
+# ----------------------------------------------------------------------------------------------- the router swap
+
+
+def test_the_supported_routers_are_softmax_topk_renormalise_in_the_installed_transformers(moe_path):
+    """The replay's gate weights follow the router's own formula: hold MODEL_TYPES to the installed source."""
+    model = plain(moe_path)
+    found = routing.routers(model)
+    assert len(found) == model.config.num_hidden_layers and routing.moe_shape(model) == (len(found), 2, 4)
+    src = inspect.getsource(type(found[0]).forward)
+    assert "softmax" in src and "topk" in src and "norm_topk_prob" in src
+
+
+def test_replaying_the_routers_own_choice_changes_nothing_and_the_gradient_reaches_the_router(moe_path):
+    model = plain(moe_path)
+    ids = torch.tensor([sum(PROMPTS, [])])
+    with routing.routed(model, record=True) as log:
+        free = model(input_ids=ids).logits
+    own = log.stacked()
+    assert own.shape == (ids.shape[1], 2, 2)
+    free.sum().backward()
+    free_grad = [r.weight.grad.clone() for r in routing.routers(model)]
+    model.zero_grad()
+    with routing.routed(model, replay=own, compare=own) as log:
+        replayed = model(input_ids=ids).logits
+    replayed.sum().backward()
+    torch.testing.assert_close(replayed, free, atol=0, rtol=0)
+    for got, want in zip([r.weight.grad for r in routing.routers(model)], free_grad, strict=True):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert log.agreement.metrics("a") == {"a_mean": 1.0, "a_min_layer": 1.0}
+
+
+def test_replay_uses_the_given_experts_with_gate_weights_from_the_current_router(moe_path):
+    model = plain(moe_path)
+    ids = torch.tensor([PROMPTS[2] + PROMPTS[0]])
+    with routing.routed(model, record=True) as log:
+        model(input_ids=ids)
+    recorded = log.stacked()
+    perturb_routers(model, 2.0, seed=1)  # the router now chooses other experts for most tokens
+    used = UsedExperts(model)
+    model(input_ids=ids)
+    assert not same_sets(used.per_layer(), recorded).all()
+    gates = []  # what each router returned: under replay, the replayed experts' gate weights
+    hooks = [r.register_forward_hook(lambda m, a, out: gates.append((a[0], out[1]))) for r in routing.routers(model)]
+    with routing.routed(model, replay=recorded, compare=recorded) as log:
+        model(input_ids=ids)
+    assert torch.equal(used.per_layer(), recorded)
+    assert log.agreement.metrics("a")["a_mean"] < 1
+    for layer, router in enumerate(routing.routers(model)):  # the gate weights, by hand
+        hidden, weights = gates[layer]
+        probs = torch.softmax(hidden.reshape(-1, router.hidden_dim) @ router.weight.T, -1)
+        picked = probs.gather(-1, recorded[:, layer])
+        assert router.norm_topk_prob  # the tiny model's (Qwen3's) setting: re-normalised over the k experts
+        torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True), atol=1e-6, rtol=1e-5)
+    for h in hooks:
+        h.remove()
+    used.close()
+
+
+def test_a_token_without_a_route_keeps_the_routers_choice(moe_path):
+    model = plain(moe_path)
+    ids = torch.tensor([PROMPTS[2]])
+    with routing.routed(model, record=True) as log:
+        model(input_ids=ids)
+    own = log.stacked()
+    other = (own + 1) % 4  # a valid, different expert set for every token
+    replay = other.clone()
+    replay[-2:] = -1
+    used = UsedExperts(model)
+    with routing.routed(model, replay=replay, record=True) as log:
+        model(input_ids=ids)
+    # the last two: the choice the routers made in this forward (its layer 1 sees layer 0's replayed output)
+    assert torch.equal(used.per_layer()[:-2], other[:-2]) and torch.equal(used.per_layer()[-2:], log.stacked()[-2:])
+    used.close()
+
+
+# ----------------------------------------------------------------------------------------------- batches
+
+
+def test_batches_carry_routes_through_select_and_concat():
+    routes = [torch.full((n, 2, 2), n, dtype=torch.uint8) for n in (3, 5, 4)]
+    batch = SampleBatch([[1], [2], [3]], torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2), routed_experts=routes)
+    picked = batch.select([2, 0])
+    assert [int(r[0, 0, 0]) for r in picked.routed_experts] == [4, 3]
+    joined = SampleBatch.concat([picked, empty_batch(2, 0), batch.select([1])])
+    assert [int(r[0, 0, 0]) for r in joined.routed_experts] == [4, 3, 5]
+    with pytest.raises(ValueError, match="some batches carry routed_experts"):
+        SampleBatch.concat([batch, batch.replace(routed_experts=None)])
+    with pytest.raises(ValueError, match="routed_experts for 3 samples"):
+        batch.replace(routed_experts=routes[:2])
+
+
+def test_a_continuation_keeps_the_earlier_segments_routes():
+    earlier = torch.zeros(6, 2, 2, dtype=torch.uint8)
+    later = torch.ones(9, 2, 2, dtype=torch.uint8)  # re-fed the 6 earlier tokens (under newer weights), then 3 more
+    merged = routing.merge_segments(earlier, later)
+    assert merged.shape[0] == 9 and merged[:6].eq(0).all() and merged[6:].eq(1).all()
+    assert routing.merge_segments(None, later) is later
+
+
+# ----------------------------------------------------------------------------------------------- rollout engine
+
+
+def test_hf_rollout_routes_are_the_routes_of_one_forward_over_the_sequence(moe_path):
+    from gspo_ascend.engines.hf_rollout import HFRolloutEngine
+
+    engine = HFRolloutEngine(moe_path, backend=CPU, max_batch_size=3)  # two generate chunks, left padding
+    batch = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=7, seed=3))
+    model = plain(moe_path)
+    for i, routes in enumerate(batch.routed_experts):
+        n = int(batch.response_mask[i].sum())
+        seq = batch.prompt_ids[i] + batch.response_ids[i, :n].tolist()
+        assert routes.dtype == torch.uint8 and routes.shape == (len(seq) - 1, 2, 2)  # the last token is never fed
+        with routing.routed(model, record=True) as log:
+            model(input_ids=torch.tensor([seq]))
+        assert same_sets(routes.long(), log.stacked()[:-1]).all(), i
+
+
+# ----------------------------------------------------------------------------------------------- fsdp engine
+
+
+def fsdp(moe_path: str, *overrides: str):
+    from gspo_ascend.engines.fsdp import FSDPEngine
+
+    base = ["data.train_batch_size=8", "algorithm.minibatches_per_rollout=1", "actor.lr=1e-3"]
+    return FSDPEngine(engine_config(*base, *overrides), CPU, moe_path)
+
+
+def rollout_batch(moe_path: str, router_noise: float = 0.0) -> SampleBatch:
+    """8 samples from the hf engine, its routers perturbed by ``router_noise`` (a forced train-inference gap)."""
+    from gspo_ascend.engines.hf_rollout import HFRolloutEngine
+
+    engine = HFRolloutEngine(moe_path, backend=CPU)
+    if router_noise:
+        perturb_routers(engine.model, router_noise, seed=5)
+    batch = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=11))
+    return batch.replace(advantages=torch.linspace(-1, 1, len(batch)))
+
+
+def test_a_forced_routing_gap_shows_and_r3_narrows_the_log_prob_mismatch(moe_path):
+    """Rollout routers perturbed: the trainer's own routing disagrees with the rollout's and its log-probs are off;
+    replaying the rollout's routes (r3) gives log-probs closer to the rollout's, measured."""
+    batch = rollout_batch(moe_path, router_noise=0.02)  # 0.02: three quarters of the routes still agree
+    mask = batch.response_mask.bool()
+    gaps, agreement = {}, {}
+    for mode in ("off", "r3"):
+        engine = fsdp(moe_path, f"actor.routing_replay={mode}", "actor.lr=0")
+        lp = engine.compute_log_probs(batch, 1.0)
+        gaps[mode] = float((lp - batch.rollout_log_probs).abs()[mask].mean())
+        metrics = engine.update(batch.replace(old_log_probs=lp), 1.0)
+        agreement[mode] = metrics["routing/rollout_agreement_mean"]
+        engine.close()
+    # measured on the router's own choice before replay (its later layers see the replayed earlier ones under r3)
+    assert agreement["off"] < 1 and agreement["r3"] < 1
+    assert gaps["r3"] < 0.6 * gaps["off"]  # measured: 0.095 against 0.22 (the rest: the rollout's gate weights)
+
+
+def test_r2_replays_the_old_forwards_routes_after_the_router_moved(moe_path):
+    engine = fsdp(moe_path, "actor.routing_replay=r2", "actor.use_remove_padding=false")
+    batch = rollout_batch(moe_path)
+    old = engine.compute_log_probs(batch, 1.0)
+    recorded = [engine.routes.old_routes[k] for k in routing.sample_keys(batch)]
+    model = engine.model
+    perturb_routers(model, 2.0, seed=2)  # as if an optimizer step had moved the routers: they now choose others
+    used = UsedExperts(model)
+    metrics = engine.update(batch.replace(old_log_probs=old), 1.0)
+    assert metrics["routing/update_agreement_mean"] < 1  # their own choice moved ...
+    # ... yet the experts used are the recorded ones at every real token: two padded [4, width] micro-batches in
+    # batch order, each forward calling the layers' experts in order
+    for m in range(2):
+        rows = recorded[4 * m : 4 * m + 4]
+        width = max(r.shape[0] for r in rows)
+        for layer in range(used.layers):
+            got = used.calls[m * used.layers + layer].reshape(4, width, 2)
+            for i, r in enumerate(rows):
+                assert same_sets(got[i, : r.shape[0]], r[:, layer].long()).all(), (m, layer, i)
+    used.close()
+    engine.close()
+
+
+def test_replay_is_refused_where_it_cannot_work(moe_path):
+    from gspo_ascend.config import load_config
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    with pytest.raises(ConfigError, match="old_logprobs=recompute"):
+        load_config(overrides=["actor.routing_replay=r2", "algorithm.old_logprobs=engine"])
+    with pytest.raises(ConfigError, match="needs an MoE model"):
+        fsdp(str(ensure_tiny_model()), "actor.routing_replay=r3")
+
+
+def test_the_mismatch_metrics_by_hand():
+    from gspo_ascend.trainer import batch_metrics
+
+    batch = SampleBatch([[1], [2]], torch.ones(2, 2, dtype=torch.long), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    batch.rollout_log_probs = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+    batch.old_log_probs = torch.tensor([[-1.5, -2.0], [-0.25, -9.0]])  # the padded token's value is never read
+    m = batch_metrics(batch)
+    # k3 with r = pi_train / pi_rollout: e^-0.5 + 0.5 - 1, 0, e^0.25 - 0.25 - 1
+    k3 = [math.exp(-0.5) + 0.5 - 1, 0.0, math.exp(0.25) - 0.25 - 1]
+    assert m["rollout/logprob_gap_mean"] == pytest.approx(0.75 / 3) and m["rollout/logprob_gap_max"] == 0.5
+    assert m["rollout/logprob_gap_k3"] == pytest.approx(sum(k3) / 3)

@@ -57,6 +57,7 @@ import torch
 
 from .config import effective_rounds
 from .engines.base import Request, SampleBatch, SamplingParams
+from .engines.routing import merge_segments
 
 STATE_FILE = "rollout_buffer.pt"  # in a checkpoint directory, beside the engines' files
 COUNT_METRICS = ("reward/no_answer", "reward/timeouts", "reward/errors")  # summed over scoring calls, not averaged
@@ -70,6 +71,8 @@ class Sample:
     rounds: int = 0
     finished: bool = False  # no more rounds: EOS, the response length reached, or its last round done
     eos: bool = False  # the engine ended it (SampleBatch.finished of its last round)
+    # the MoE experts of every token fed so far, each from the round that first fed it (engines/routing.py)
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -208,6 +211,8 @@ class RolloutScheduler:
                 s.tokens += out.response_ids[row, :k].tolist()
                 s.logps += out.rollout_log_probs[row, :k].tolist()
                 s.versions += [version] * k
+                if out.routed_experts is not None:
+                    s.routes = merge_segments(s.routes, out.routed_experts[row])
                 s.rounds += 1
                 s.eos = bool(out.finished[row])
                 s.finished = s.eos or len(s.tokens) >= self.width or s.rounds >= self.max_rounds
@@ -272,7 +277,9 @@ class RolloutScheduler:
             mask[i, :k] = 1.0
             logps[i, :k] = torch.tensor(s.logps, dtype=torch.float32)
             versions[i, :k] = torch.tensor(s.versions, dtype=torch.long)
+        routes = [s.routes for _, s in rows]
         batch = SampleBatch(
+            routed_experts=routes if rows and all(r is not None for r in routes) else None,
             prompt_ids=[list(g.prompt) for g, _ in rows],
             response_ids=ids,
             response_mask=mask,

@@ -96,6 +96,7 @@ from ..compile import resolve_enforce_eager
 from ..errors import ConfigError, UserError
 from ..npu_profile import compilation_config
 from ..patches._core import SKIPPED
+from . import routing
 from .base import Request, SampleBatch, SamplingParams, check_prompt_tokens, empty_batch, requests_for
 from .rollout_shards import gather_rollout_shards, rollout_tp_groups, split_rollout_prompts
 from .vllm_env import (
@@ -241,6 +242,16 @@ class EngineSteps:
         return done
 
 
+def sample_routes(sample: Any, fed: int, dtype: torch.dtype) -> torch.Tensor:
+    """One sample's routes from vLLM's ``CompletionOutput.routed_experts`` ([tokens fed, layers, k], numpy): every
+    prompt token and every sampled token but the last, the layout of ``SampleBatch.routed_experts``."""
+    got = getattr(sample, "routed_experts", None)
+    if got is None or got.shape[0] != fed:
+        shape = None if got is None else tuple(got.shape)
+        raise RuntimeError(f"vLLM returned routes of shape {shape} for a sample that fed {fed} tokens")
+    return torch.from_numpy(got.astype("int64")).to(dtype)
+
+
 class VLLMRolloutEngine:
     """RolloutEngine over ``vllm.LLM``; see the module docstring."""
 
@@ -251,6 +262,7 @@ class VLLMRolloutEngine:
         self.host_build = backend.torch_device_type == "cpu"  # vLLM's CPU build (also under the emulated NPU)
         self._check_config()
         hf_config = _read_hf_config(model_path)
+        self.route_dtype = self._route_dtype(hf_config)
         self.env = apply_env_defaults(platform_env_defaults(backend, cfg, hf_config))
         # rollout TP inside our process group: vLLM in-process, one TP rank per rank (module docstring)
         tp = cfg.rollout.tensor_parallel_size
@@ -296,6 +308,24 @@ class VLLMRolloutEngine:
                 "CPU cores: vLLM's CPU build binds one core set per TP rank"
             )
 
+    def _route_dtype(self, hf_config: dict) -> torch.dtype | None:
+        """An MoE model's routes come back with every sample (vLLM's ``enable_return_routed_experts``) where vLLM can
+        capture them: not on its CPU build, where the capture needs Model Runner V2 and that needs Triton (vLLM
+        0.32's ``VllmConfig`` refuses it; docs/stack-0.23.md). There r3 is refused and the routing agreement metrics
+        are not measured, said once."""
+        if hf_config.get("model_type") not in routing.MODEL_TYPES:
+            return None
+        if not self.host_build:
+            return routing.route_dtype(int(hf_config["num_experts"]))
+        why = "vLLM's CPU build cannot return the experts it routed to (Model Runner V2 needs Triton)"
+        if self.cfg.actor.routing_replay == "r3":
+            raise ConfigError(
+                f"config key 'actor.routing_replay' (r3) replays the rollout engine's routes: {why}; use "
+                "rollout.engine=hf on the host, or r2"
+            )
+        log.warning("vllm rollout: no routes with the samples, so no routing/rollout_agreement: %s", why)
+        return None
+
     @_beside_mindspeed
     def _build_llm(self, model_path: str) -> Any:
         import vllm
@@ -317,6 +347,8 @@ class VLLMRolloutEngine:
             "enable_sleep_mode": self.sleep_supported,
             "worker_extension_cls": EXTENSION,
         }
+        if self.route_dtype is not None:
+            kwargs["enable_return_routed_experts"] = True
         graphs = compilation_config(self.cfg, kwargs["enforce_eager"])  # {} = vLLM's defaults (issue #26)
         if graphs:
             kwargs["compilation_config"] = graphs
@@ -416,6 +448,7 @@ class VLLMRolloutEngine:
         mask = torch.zeros(len(rows), r, dtype=torch.float32)
         logps = torch.zeros(len(rows), r, dtype=torch.float32)
         finished = torch.zeros(len(rows), dtype=torch.bool)
+        routes: list[torch.Tensor] = []
         row = 0
         for j, (q, out) in enumerate(zip(requests, outputs, strict=True)):
             samples = sorted(out.outputs, key=lambda c: c.index)
@@ -434,8 +467,11 @@ class VLLMRolloutEngine:
                     [step[t].logprob for step, t in zip(sample.logprobs, tokens, strict=True)]
                 )
                 finished[row] = sample.finish_reason == "stop"  # "length": cut at max_tokens
+                if self.route_dtype is not None:
+                    routes.append(sample_routes(sample, len(q.prompt_ids) + length - 1, self.route_dtype))
                 row += 1
         return SampleBatch(
+            routed_experts=routes if self.route_dtype is not None else None,
             prompt_ids=[list(requests[j].prompt_ids) for j in rows],
             response_ids=ids,
             response_mask=mask,

@@ -9,6 +9,7 @@ what the property test checks, with the scheduler's invariants, under random len
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import random
@@ -30,8 +31,8 @@ def _h(*parts: object) -> int:
 class FakeEngine:
     """Long-tailed responses: EOS after each token with probability ``stop`` (a hash of the prefix decides)."""
 
-    def __init__(self, stop: float) -> None:
-        self.stop, self.calls = stop, []
+    def __init__(self, stop: float, routes: bool = False) -> None:
+        self.stop, self.calls, self.routes = stop, [], routes
 
     def next_token(self, prefix: tuple[int, ...], seed: int | None) -> int:
         if seed is not None:  # the first token of a fresh sample: the seed tells the n samples apart
@@ -64,7 +65,13 @@ class FakeEngine:
             ids[i, : len(toks)] = torch.tensor(toks)
             mask[i, : len(toks)] = 1
             logps[i, : len(toks)] = -0.5
+        # routes, like a real engine's, over every token fed (prompt + response - 1): [t, 0] = the call that fed
+        # token t, [t, 1] = t, so a test sees which round each token's route came from and that it lines up
+        fed = [len(q.prompt_ids) + len(toks) - 1 for _, q, toks in rows]
+        call = len(self.calls) % 256
+        routes = [torch.stack([torch.full((n,), call), torch.arange(n) % 256], 1)[:, None].to(torch.uint8) for n in fed]
         return SampleBatch(
+            routed_experts=routes if self.routes else None,
             prompt_ids=[list(q.prompt_ids) for _, q, _ in rows],
             response_ids=ids,
             response_mask=mask,
@@ -249,6 +256,30 @@ def test_state_round_trip_continues_identically():
         x, y = run(a, step), run(c, step)
         assert x.indices == y.indices and torch.equal(x.batch.response_ids, y.batch.response_ids)
         assert torch.equal(x.versions, y.versions) and x.metrics == y.metrics
+
+
+def test_each_token_keeps_the_route_of_the_round_that_first_fed_it_through_a_checkpoint():
+    """Partial rollout's continuation re-feeds the earlier tokens: they keep the earlier round's routes, the new ones
+    come from the continuation, and the buffer saved and loaded keeps them (a dropped segment fails here)."""
+    engine, sampler = FakeEngine(stop=0.05, routes=True), Sampler(2)
+    s = scheduler(sampler)
+    params = SamplingParams(n=4, max_new_tokens=32, seed=1)
+    s.collect(1, params, engine, reward_fn(5, 0.3), null_timer)
+    restored = scheduler(Sampler(2))
+    restored.load_state_dict(torch.load(_saved(s.state_dict()), weights_only=True))
+    continued = 0
+    for sched in (s, restored):
+        got = sched.collect(2, dataclasses.replace(params, seed=2), engine, reward_fn(5, 0.3), null_timer)
+        for i, routes in enumerate(got.batch.routed_experts):
+            p, n = len(got.batch.prompt_ids[i]), int(got.batch.response_lengths[i])
+            assert routes.shape[0] == p + n - 1 and torch.equal(routes[:, 0, 1].long(), torch.arange(p + n - 1) % 256)
+            first = int(routes[0, 0, 0])  # the round that admitted the sample fed its prompt
+            rounds = routes[:, 0, 0].long()
+            switch = int((rounds != first).nonzero()[0]) if bool((rounds != first).any()) else None
+            if switch is not None:  # a continuation: its routes start where the earlier round's end
+                continued += 1
+                assert switch >= p and bool((rounds[switch:] == rounds[switch]).all())
+    assert continued > 0
 
 
 def _saved(state):

@@ -272,3 +272,37 @@ def test_the_mismatch_metrics_by_hand():
     k3 = [math.exp(-0.5) + 0.5 - 1, 0.0, math.exp(0.25) - 0.25 - 1]
     assert m["rollout/logprob_gap_mean"] == pytest.approx(0.75 / 3) and m["rollout/logprob_gap_max"] == 0.5
     assert m["rollout/logprob_gap_k3"] == pytest.approx(sum(k3) / 3)
+
+
+# ----------------------------------------------------------------------------------------------- vLLM
+
+
+def test_vllm_routes_are_read_from_its_completion_output():
+    """vLLM's own CompletionOutput (the class its engine returns) carrying routes: read as the batch layout, and a
+    sample whose routes do not cover every token fed is refused, not trained on misaligned experts."""
+    np = pytest.importorskip("numpy")
+    outputs = pytest.importorskip("vllm.outputs")
+    from gspo_ascend.engines.vllm_rollout import sample_routes
+
+    got = np.arange(7 * 2 * 2, dtype=np.uint8).reshape(7, 2, 2) % 4
+    sample = outputs.CompletionOutput(0, "", [5, 6, 7], None, None, routed_experts=got, finish_reason="stop")
+    routes = sample_routes(sample, 5 + 3 - 1, torch.uint8)  # prompt 5 + response 3 - the last token
+    assert routes.dtype == torch.uint8 and torch.equal(routes, torch.from_numpy(got))
+    with pytest.raises(RuntimeError, match=r"routes of shape \(7, 2, 2\) for a sample that fed 8 tokens"):
+        sample_routes(sample, 8, torch.uint8)
+
+
+def test_vllm_cpu_build_refuses_r3_and_says_once_it_has_no_routes(caplog):
+    from gspo_ascend.engines.vllm_rollout import VLLMRolloutEngine
+
+    engine = object.__new__(VLLMRolloutEngine)
+    engine.host_build, hf = True, {"model_type": "qwen3_moe", "num_experts": 128}
+    engine.cfg = engine_config("actor.routing_replay=r3")
+    with pytest.raises(ConfigError, match="Model Runner V2 needs Triton"):
+        engine._route_dtype(hf)
+    engine.cfg = engine_config()
+    with caplog.at_level("WARNING"):
+        assert engine._route_dtype(hf) is None
+    assert "no routing/rollout_agreement" in caplog.text
+    engine.host_build = False  # a GPU / NPU: routes asked for, one byte a route up to 256 experts
+    assert engine._route_dtype(hf) == torch.uint8 and engine._route_dtype({"model_type": "qwen3"}) is None

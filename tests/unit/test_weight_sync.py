@@ -8,6 +8,8 @@ tests/e2e/test_disaggregated_multinode.py; here the sender's broadcasts are repl
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -92,8 +94,9 @@ class _Run:
         self.workers = SimpleNamespace(rollout_version=0, submit=self._submit)
 
     def _submit(self, prompts, params):
+        routes = [torch.full((1, 2, 2), p[0], dtype=torch.uint8) for p in prompts]  # an MoE rollout's routes
         batch = SampleBatch(prompt_ids=prompts, response_ids=torch.zeros(len(prompts), 1, dtype=torch.long),
-                            response_mask=torch.ones(len(prompts), 1))  # fmt: skip
+                            response_mask=torch.ones(len(prompts), 1), routed_experts=routes)  # fmt: skip
         return type("Done", (), {"result": lambda self: batch})()
 
 
@@ -117,10 +120,14 @@ def test_a_checkpointed_batch_in_flight_round_trips():
     run.workers.rollout_version = 2
     pipeline.submit(run, 4, None)
     state = pipeline.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # on disk as in a checkpoint, read back as resume reads it
+    buffer.seek(0)
     again = BatchQueue(max_staleness=1)
-    again.load_state_dict(state)
+    again.load_state_dict(torch.load(buffer, weights_only=True))
     rows, batch, version = again.take(run, 4, None)
     assert rows == [0, 1] and version == 2 and batch.prompt_ids == [[0], [1]]
+    assert [r.flatten().tolist() for r in batch.routed_experts] == [[0] * 4, [1] * 4]
     assert BatchQueue(1).state_dict() is None  # nothing in flight: nothing saved
 
 

@@ -66,6 +66,7 @@ class Plan:
     variants: dict[str, dict[str, int]]
     knobs: list[Knob] = field(default_factory=list)
     spec_note: str = ""  # set when the model came from a built-in spec (no local config.json)
+    routes_host_bytes: int = 0  # an MoE rollout batch's routes on the host (routes_host_bytes)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -152,6 +153,22 @@ def logits_bytes(cfg, spec: ModelSpec, tp: int) -> int:
     return tokens * (spec.vocab // tp) * (e + 4)
 
 
+def routes_device_bytes(cfg, spec: ModelSpec, layers) -> int:
+    """An MoE trainer's routing tensors for one micro-batch (engines/routing.py): the replayed and the compared
+    routes, int64 [tokens, MoE layers, k] each (megatron: one [tokens, k] per router of the stage). Measured every MoE
+    run (the agreement metrics), replay on or off."""
+    moe = sum(spec.is_moe_layer(i) for i in layers)
+    return 2 * 8 * micro_tokens(cfg) * moe * spec.top_k
+
+
+def routes_host_bytes(cfg, spec: ModelSpec) -> int:
+    """A rollout batch's routes on the host at full length: the batch (one byte a route up to 256 experts, two
+    beyond: engines/routing.py route_dtype) and as many again for the trainer's old-forward routes, all ranks."""
+    moe = sum(spec.is_moe_layer(i) for i in range(spec.layers))
+    tokens = cfg.data.train_batch_size * cfg.rollout.n * seq_len(cfg)
+    return 2 * tokens * moe * spec.top_k * (1 if spec.experts <= 256 else 2)
+
+
 # engines/fused_logprob.py's CHUNK_ROWS (the doctor imports no engine: a test holds the two equal)
 FUSED_CHUNK_ROWS = 1024
 
@@ -189,6 +206,7 @@ def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:
         "optimizer": optimizer,
         "activations": activations(cfg, spec, layers, lay.tp, inflight),
         "logits": logits_bytes(cfg, spec, lay.tp) if last else 0,
+        **({"routes": routes_device_bytes(cfg, spec, layers)} if spec.is_moe else {}),
     }
     shard = f"/ DP x CP {lay.dp * lay.cp} (experts / expert-DP {lay.edp})" if distributed else "not sharded"
     notes = {
@@ -228,6 +246,7 @@ def fsdp_train(cfg, spec: ModelSpec, usable: int | None = None, world: int | Non
         "gathered": gathered,
         "activations": activations(cfg, spec, range(spec.layers), 1, 1),
         "logits": logits_bytes(cfg, spec, 1),
+        **({"routes": routes_device_bytes(cfg, spec, range(spec.layers))} if spec.is_moe else {}),
     }
     notes = {
         "weights": f"fp32 shards of {p:,} params over {world} ranks",
@@ -498,6 +517,7 @@ def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
         score=max(p_train, p_roll, p_kv, p_sync),
         variants={},
         spec_note=spec.note,
+        routes_host_bytes=routes_host_bytes(cfg, spec) if spec.is_moe else 0,
     )
 
 
@@ -631,6 +651,11 @@ def render_text(p: Plan) -> str:
             lines.append(f"  KV cache holds {p.kv_tokens:,} tokens = {p.kv_sequences:.1f} full-length sequences")
     for what, values in p.variants.items():
         lines.append(f"  {what}: " + ", ".join(f"{k} -> {v / GIB:.2f} GiB" for k, v in values.items()))
+    if p.routes_host_bytes:
+        lines.append(
+            f"  MoE routes on the host, per rollout batch at full length: {p.routes_host_bytes / GIB:.2f} GiB "
+            "(the batch's and the trainer's old-forward copy; docs/engines.md, routing replay)"
+        )
     lines += ["", f"verdict: {p.verdict}"]
     if p.knobs:
         lines.append("knobs that help most (as overrides):")

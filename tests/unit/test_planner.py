@@ -97,7 +97,11 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     # HCCL buffers (audit 3 finding 3): 9 groups of > 1 rank, world 16, TP 4, PP 2, DP 2, DP-CP 2, MP 8, EP 4,
     # expert DP 2, vLLM TP 4, each 2 x 200 MiB = 9 x 419,430,400 = 3,774,873,600
     assert p.train.parts["hccl buffers"] == 3_774_873_600
-    assert p.train.total == 48_205_103_104 + 3_774_873_600 == 51_979_976_704  # 48.41 GiB < 0.9 x 60 GiB
+    # the routing tensors of a micro-batch: replayed + compared int64 routes, 8192 tokens x 24 stage layers x k 8
+    assert p.train.parts["routes"] == 2 * 8 * 8192 * 24 * 8 == 25_165_824
+    assert p.train.total == 48_205_103_104 + 3_774_873_600 + 25_165_824 == 52_005_142_528  # 48.43 GiB < 0.9 x 60
+    # the batch's routes on the host and the trainer's copy: 128 x 8 samples x 8192 tokens x 48 layers x 8 x 1 B x 2
+    assert p.routes_host_bytes == 128 * 8 * 8192 * 48 * 8 * 2
     assert p.train_verdict == "fits"
     # rollout TP4: 48 x (4,718,592 + 266,496 + 603,979,776/4) + 2 x 311,164,928/4 + 2,048 = 7,642,626,048 params
     assert p.rollout.parts["weights"] == 15_285_252_096
@@ -139,7 +143,8 @@ def test_qwen3_30b_a3b_2x8_a2_tp2_pp4_ep4():
     # the first stage (4 micro-batches in flight, no logits) is smaller; + HCCL buffers of 8 groups (world, TP 2,
     # PP 4, DP 2, DP-CP 2, MP 8, EP 4, vLLM TP 4; expert DP is 1) x 419,430,400 = 3,355,443,200
     assert p.train.parts["hccl buffers"] == 3_355_443_200
-    assert p.train.total == 40_376_594_432 + 3_355_443_200
+    assert p.train.parts["routes"] == 2 * 8 * 8192 * 12 * 8  # PP4: 12 MoE layers on the stage
+    assert p.train.total == 40_376_594_432 + 3_355_443_200 + 12_582_912
 
 
 def test_qwen3_30b_a3b_without_distributed_optimizer_does_not_fit():
@@ -147,8 +152,8 @@ def test_qwen3_30b_a3b_without_distributed_optimizer_does_not_fit():
     # optimizer 12 x 3,821,314,048 = 45,855,768,576 -> total 71,132,987,392 B + the 9 communicators' 3,774,873,600:
     # above usable (64,424,509,440) (before fp32 gradients were counted: 63,490,359,296, "tight")
     assert p.train.parts["optimizer"] == 45_855_768_576
-    assert p.train.total == 71_132_987_392 + 3_774_873_600 and p.train_verdict == "OOM"
-    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 51_979_976_704
+    assert p.train.total == 71_132_987_392 + 3_774_873_600 + 25_165_824 and p.train_verdict == "OOM"
+    assert p.variants["training peak by actor.use_distributed_optimizer"]["true"] == 52_005_142_528
     assert p.knobs[0].key in ("actor.use_distributed_optimizer", "actor.pipeline_parallel_size")
 
 
@@ -285,7 +290,7 @@ def test_plan_cli_json(cli):
     proc = cli("plan", *MOE, *TP4_PP2_EP4, "--hardware", "atlas-800t-a2", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["verdict"] == "fits" and out["train"]["total"] == 51_979_976_704 and len(out["knobs"]) == 3
+    assert out["verdict"] == "fits" and out["train"]["total"] == 52_005_142_528 and len(out["knobs"]) == 3
     assert out["sync"]["total"] == 25_343_799_296 + 3_774_873_600 and out["sync_verdict"] == "fits"
 
 
@@ -315,7 +320,7 @@ def test_plan_cli_without_weights_uses_the_builtin_spec_and_says_so(cli):
         "note: model.path 'Qwen/Qwen3-30B-A3B' has no config.json: using the built-in spec of Qwen/Qwen3-30B-A3B "
         "(matched by the hub id; fields of https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json)"
     )
-    assert "  total          48.41   fits" in proc.stdout  # = 51,979,976,704 B, as from the config.json
+    assert "  total          48.43   fits" in proc.stdout  # = 52,005,142,528 B, as from the config.json
 
 
 def test_plan_cli_unknown_hub_id_lists_the_builtin_ids(cli):

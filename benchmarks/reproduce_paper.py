@@ -6,8 +6,8 @@
 Claims under test (Zheng et al., arXiv 2507.18071): GSPO clips about two orders of magnitude more tokens than
 GRPO yet learns faster, and GRPO is unstable on MoE models without Routing Replay while GSPO is not.
 
-What runs: for every seed, model (tiny Qwen3-MoE, then the dense tiny Qwen3 as a control) and algorithm, one
-``gspo_ascend.trainer.train`` call on the synthetic arithmetic task with the same rollout batch (16 prompts x
+What runs: for every seed, model (tiny Qwen3-MoE, then the dense tiny Qwen3 as a control) and algorithm (GRPO + R2
+on the MoE only), one ``gspo_ascend.trainer.train`` call on the synthetic arithmetic task with the same rollout batch (16 prompts x
 n=8), 4 minibatches per rollout batch, lr, response length and number of steps. GSPO = preset ``gspo_paper``
 (clip 3e-4 / 4e-4, seq-mean-token-mean); GRPO = preset ``grpo_paper`` (clip 0.2 / 0.27) with ``--grpo-agg``
 (default token-mean, the DAPO-style GRPO of configs/tiny_grpo.yaml). ``trainer.seed`` fixes the prompt order and
@@ -23,8 +23,8 @@ How we differ from the paper: a 625k-parameter MoE (4 experts, top-2) and a 427k
 of Qwen3-30B-A3B, a toy task with ~14-token responses, lr 1e-4 (the tiny model's) and tens of steps instead of
 thousands; the rollout and train engines are both Hugging Face forwards on CPU, so there is (almost) no
 train/inference mismatch and routing never differs between engines. Routing still shifts between the old and the
-updated policy within a step (what the paper's Routing Replay pins); the toolkit has no Routing Replay, so GRPO
-runs without it, as in the paper's failing MoE baseline.
+updated policy within a step: every MoE run measures it (``routing/update_agreement``), and the MoE runs add the
+paper's own baseline, GRPO with Routing Replay (``actor.routing_replay=r2``), beside GRPO without it.
 """
 
 from __future__ import annotations
@@ -49,8 +49,13 @@ from gspo_ascend.errors import UserError  # noqa: E402
 
 MODELS = ("moe", "dense")
 MODEL_LABELS = {"moe": "tiny Qwen3-MoE (625k, 4 experts top-2)", "dense": "tiny Qwen3 dense (427k), control"}
-ALGOS = {"gspo": "gspo_paper", "grpo": "grpo_paper"}  # algorithm -> preset (gspo_ascend.algorithms.presets)
-COLORS = {"gspo": "tab:blue", "grpo": "tab:orange"}
+ALGOS = {"gspo": "gspo_paper", "grpo": "grpo_paper", "grpo_r2": "grpo_paper"}  # algorithm -> preset (presets.py)
+# GRPO + Routing Replay, the paper's own MoE baseline: the old policy's experts replayed in the update (r2); MoE only
+ALGO_OVERRIDES = {"grpo_r2": {"actor.routing_replay": "r2"}}
+MOE_ONLY = ("grpo_r2",)
+PAIR = ("gspo", "grpo")  # the paper's comparison; GRPO + R2 is observed apart
+LABELS = {"gspo": "GSPO", "grpo": "GRPO", "grpo_r2": "GRPO + R2"}
+COLORS = {"gspo": "tab:blue", "grpo": "tab:orange", "grpo_r2": "tab:green"}
 DEFAULT_STEPS = 60
 DEFAULT_SEEDS = 3
 QUICK_STEPS, QUICK_SEEDS = 2, 1
@@ -133,8 +138,8 @@ def run_config(model: str, algo: str, seed: int, *, steps: int, lr: float, grpo_
     from gspo_ascend.runtime import resolve_train_files
     from gspo_ascend.tiny import ensure_tiny_model
 
-    overrides = dict(SHARED) | get_preset(ALGOS[algo])
-    if algo == "grpo":
+    overrides = dict(SHARED) | get_preset(ALGOS[algo]) | ALGO_OVERRIDES.get(algo, {})
+    if algo.startswith("grpo"):
         overrides["algorithm.loss_agg_mode"] = grpo_agg
     overrides |= {
         "model.path": str(ensure_tiny_model(moe=model == "moe")),
@@ -150,6 +155,11 @@ def run_config(model: str, algo: str, seed: int, *, steps: int, lr: float, grpo_
 
 
 # ----------------------------------------------------------------------------------------------- training
+
+
+def algos_of(model: str) -> list[str]:
+    """The algorithms run on ``model``: routing replay only where there is routing."""
+    return [a for a in ALGOS if model == "moe" or a not in MOE_ONLY]
 
 
 def machine() -> dict:
@@ -200,7 +210,7 @@ def train_all(args: argparse.Namespace) -> dict:
         "machine": machine(),
         "runs": [],
     }
-    plan = [(s, m, a) for s in range(args.seeds) for m in args.models for a in ALGOS]
+    plan = [(s, m, a) for s in range(args.seeds) for m in args.models for a in algos_of(m)]
     start = time.perf_counter()
     for i, (seed, model, algo) in enumerate(plan, 1):
         name = run_name(model, algo, seed)
@@ -310,6 +320,10 @@ def run_summary(records: list[dict], w: int) -> dict[str, float]:
         "seq_ratio_max": _mean(_values(records, "actor/seq_ratio_max")),
         "seq_ratio_min": _mean(_values(records, "actor/seq_ratio_min")),
         "logprob_gap": _mean(_values(records, "rollout/logprob_gap_mean")),
+        # share of tokens whose experts in the update's forwards (the router's own choice, before any replay) are
+        # those of the old-log-prob forward: the paper's expert volatility within a step, on MoE runs only
+        "routes_kept": _mean(_values(records, "routing/update_agreement_mean")),
+        "routes_kept_min": min(_values(records, "routing/update_agreement_min_layer"), default=math.nan),
     }
 
 
@@ -360,6 +374,7 @@ TABLE_COLUMNS = (  # (header, stat, format)
     ("grad norm", "grad_norm", "f3"),
     ("max grad norm", "grad_norm_max", "f3"),
     ("response length", "length", "f3"),
+    ("routes kept in the update", "routes_kept", "pct"),
 )
 
 
@@ -371,7 +386,7 @@ def render_table(summary: dict, models: list[str], w: int) -> str:
             if (model, algo) not in summary:
                 continue
             s = summary[(model, algo)]
-            cells = [model, algo.upper()] + [cell(s[stat], kind) for _, stat, kind in TABLE_COLUMNS]
+            cells = [model, LABELS[algo]] + [cell(s[stat], kind) for _, stat, kind in TABLE_COLUMNS]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -423,7 +438,7 @@ def observe_learning(summary: dict, model: str) -> str:
             else f"{'larger' if sep else 'smaller'} than twice the standard error over seeds"
         )
         parts.append(f"{what} GSPO {cell(g[stat])} vs GRPO {cell(r[stat])} (difference {d:+.3f}, {judged})")
-    gains = [summary[(model, a)]["reward_last"]["mean"] - summary[(model, a)]["reward_first"]["mean"] for a in ALGOS]
+    gains = [summary[(model, a)]["reward_last"]["mean"] - summary[(model, a)]["reward_first"]["mean"] for a in PAIR]
     return (
         f"**Learning, {model}.** " + "; ".join(parts) + f". Reward gain, last minus first window: GSPO "
         f"{gains[0]:+.3f}, GRPO {gains[1]:+.3f}."
@@ -432,12 +447,12 @@ def observe_learning(summary: dict, model: str) -> str:
 
 def observe_stability(summary: dict, results: dict, model: str) -> str:
     parts = []
-    for algo in ALGOS:
+    for algo in algos_of(model):
         st = summary[(model, algo)]
         falls = [reward_fall(_values(records, "reward/mean")) for records in results[(model, algo)]]
         collapsed = [(seed, f) for seed, f in enumerate(falls) if f["drop"] > COLLAPSE]
         text = (
-            f"{algo.upper()}: {len(collapsed)}/{len(falls)} seeds collapsed (largest fall "
+            f"{LABELS[algo]}: {len(collapsed)}/{len(falls)} seeds collapsed (largest fall "
             f"{max(f['drop'] for f in falls):.2f}), largest per-step KL {max(st['kl_max']['per_seed']):.1e}, at most "
             f"{_num(max(st['truncated_max']['per_seed']), 'pct')} of a step's responses cut at the length limit, "
             f"largest gradient norm {max(st['grad_norm_max']['per_seed']):.2f}, "
@@ -458,12 +473,12 @@ def observe_stability(summary: dict, results: dict, model: str) -> str:
 
 def paired_gap(summary: dict, model: str, stat: str = "reward_all") -> tuple[float, float]:
     """Mean and standard error over seeds of GSPO minus GRPO; seed k of both saw the same prompts and samplings."""
-    d = [a - b for a, b in zip(*(summary[(model, x)][stat]["per_seed"] for x in ALGOS), strict=True)]
+    d = [a - b for a, b in zip(*(summary[(model, x)][stat]["per_seed"] for x in PAIR), strict=True)]
     return _mean(d), statistics.stdev(d) / math.sqrt(len(d)) if len(d) >= 2 else math.nan
 
 
 def observe_moe_vs_dense(summary: dict) -> str | None:
-    if not all((m, a) in summary for m in MODELS for a in ALGOS):
+    if not all((m, a) in summary for m in MODELS for a in PAIR):
         return None
     (gm, sm), (gd, sd) = paired_gap(summary, "moe"), paired_gap(summary, "dense")
     diff, se = gm - gd, math.sqrt(sm**2 + sd**2)
@@ -473,6 +488,28 @@ def observe_moe_vs_dense(summary: dict) -> str | None:
         f"{gm:+.3f} (se {sm:.3f}) on MoE, {gd:+.3f} (se {sd:.3f}) on dense. Relative to GRPO, GSPO does "
         f"{'better' if diff > 0 else 'worse'} on MoE than on dense by {diff:+.3f} (se {se:.3f}: {judged}). The "
         "paper's claim (GRPO handicapped on MoE specifically) predicts a positive difference."
+    )
+
+
+def observe_replay(summary: dict, results: dict) -> str | None:
+    """The paper's MoE baseline: does replaying the old policy's experts (R2) rescue GRPO, and does GSPO need it?"""
+    if not all(("moe", a) in summary for a in ALGOS):
+        return None
+    s = {a: summary[("moe", a)] for a in ALGOS}
+    kept = ", ".join(f"{LABELS[a]} {_num(s[a]['routes_kept']['mean'], 'pct')}" for a in ALGOS)
+    least = min(min(s[a]["routes_kept_min"]["per_seed"]) for a in ALGOS)
+    collapsed = {a: sum(x > COLLAPSE for x in s[a]["reward_fall"]["per_seed"]) for a in ALGOS}
+    n = len(s["grpo"]["reward_fall"]["per_seed"])
+    d = s["grpo_r2"]["reward_all"]["mean"] - s["grpo"]["reward_all"]["mean"]
+    sep = distinguishable(s["grpo_r2"]["reward_all"], s["grpo"]["reward_all"])
+    judged = "one seed" if sep is None else f"{'larger' if sep else 'smaller'} than twice the standard error"
+    g = s["gspo"]["reward_all"]["mean"] - s["grpo_r2"]["reward_all"]["mean"]
+    return (
+        f"**Routing Replay, moe.** Share of tokens whose experts in the update's forwards (the router's own choice) "
+        f"are those of the old-log-prob forward, per step: {kept} (lowest per step and layer over all runs "
+        f"{_num(least, 'pct')}): the experts that moved within a step, what R2 pins. GRPO + R2 minus GRPO in reward "
+        f"averaged over all steps: {d:+.3f} ({judged}); collapsed seeds GRPO {collapsed['grpo']}/{n}, GRPO + R2 "
+        f"{collapsed['grpo_r2']}/{n}, GSPO {collapsed['gspo']}/{n}. GSPO without replay minus GRPO + R2: {g:+.3f}."
     )
 
 
@@ -539,7 +576,7 @@ def plot_figure(path: Path, results: dict, models: list[str], ylabel: str, key: 
             lo = [m - s for m, s in zip(mean, sd, strict=True)]
             if log:  # a band reaching 0 would vanish on a log axis; cut it at a tenth of the mean instead
                 lo = [max(v, m / 10) for v, m in zip(lo, mean, strict=True)]
-            label = f"{algo.upper()} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+            label = f"{LABELS[algo]} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
             marker = "o" if len(steps) < 40 else None  # a short run's points stay visible
             ax.plot(steps, mean, color=COLORS[algo], marker=marker, markersize=3, label=label)
             ax.fill_between(steps, lo, [m + s for m, s in zip(mean, sd, strict=True)], color=COLORS[algo], alpha=0.2)
@@ -563,7 +600,7 @@ def plot_seeds(path: Path, results: dict, models: list[str], key: str = "reward/
             for seed, records in enumerate(results.get((model, algo), [])):
                 steps, values = zip(*((r["step"], r[key]) for r in records if r.get(key) is not None), strict=True)
                 style = ("-", "--", ":", "-.")[seed % 4]
-                ax.plot(steps, values, style, color=COLORS[algo], linewidth=1, label=f"{algo.upper()} seed {seed}")
+                ax.plot(steps, values, style, color=COLORS[algo], linewidth=1, label=f"{LABELS[algo]} seed {seed}")
         ax.set_title(MODEL_LABELS[model], fontsize=10)
         ax.set_xlabel("step (rollout batch)")
         ax.set_ylabel(key)
@@ -614,7 +651,7 @@ def _setup_lines(manifest: dict, w: int) -> list[str]:
     walls: dict[tuple[str, str], list[float]] = {}
     for run in manifest["runs"]:
         walls.setdefault((run["model"], run["algo"]), []).append(run["wall_s"])
-    per = ", ".join(f"{mo} {a.upper()} {_mean(v):.0f} s" for (mo, a), v in walls.items())
+    per = ", ".join(f"{mo} {LABELS[a]} {_mean(v):.0f} s" for (mo, a), v in walls.items())
     total = manifest.get("wall_s")
     return [
         f"- Models: {', '.join(MODEL_LABELS[x] for x in st['models'])}; the synthetic arithmetic task.",
@@ -629,7 +666,9 @@ def _setup_lines(manifest: dict, w: int) -> list[str]:
             f" (the preset's is {preset_agg}; token-mean is the DAPO-style GRPO of configs/tiny_grpo.yaml)."
             if st["grpo_agg"] != preset_agg
             else "."
-        ),
+        )
+        + " GRPO + R2 (MoE only): the same GRPO with `actor.routing_replay=r2`, the paper's Routing Replay (the "
+        "experts of the old-log-prob forward replayed in the update's forwards).",
         f'- Windows: "first" / "last" = the first / last {w} steps (a fifth of the run); "all steps" = mean '
         "over the whole run (area under the learning curve: a learning-speed measure). Other columns: per-step "
         "values averaged over the run. Cells: mean ± sample sd over seeds.",
@@ -652,9 +691,9 @@ def scale_notes(summary: dict) -> str:
   so token-level ratios swing and clipping stops controlling them; Routing Replay replays the old policy's
   routing when the new policy's ratios are computed. Our MoE has 2 layers of 4 experts (top-2), and the rollout
   and train engines run the same Hugging Face model code on CPU (log-prob gap above), so routing changes only
-  through the 4 weight updates within a step, never between engines. The toolkit has no Routing Replay; GRPO
-  runs without it, as in the paper's failing baseline. We do not measure routing changes, so a GRPO collapse
-  on MoE here is consistent with the paper's explanation but not shown to be caused by routing.
+  through the 4 weight updates within a step, never between engines: the "routes kept" column measures that
+  change, and GRPO + R2 pins it. Train-inference routing gaps (the rollout engine's own routes, replayed as r3)
+  do not arise here; vLLM's CPU build cannot return its routes (docs/engines.md).
 - **Short responses.** {length:.0f} tokens per response on average: GSPO's length normalisation, and the paper's
   argument that GRPO's per-token importance weights accumulate noise over long responses, barely apply.
 - **Clip ranges made for a 30B model.** The paper's 3e-4 / 4e-4 range was set for a large model at a small lr;
@@ -707,8 +746,8 @@ def render_report(manifest: dict, results: dict, summary: dict, models: list[str
     for model in models:
         lines += [f"- {observe_clipping(summary, model)}", f"- {observe_learning(summary, model)}"]
         lines += [f"- {observe_stability(summary, results, model)}"]
-    extra = observe_moe_vs_dense(summary)
-    lines += [f"- {extra}"] if extra else []
+    for extra in (observe_moe_vs_dense(summary), observe_replay(summary, results)):
+        lines += [f"- {extra}"] if extra else []
     lines += [f"- {observe_scale(summary, manifest['settings']['lr'])}", ""]
     lines += ["## Where the tiny scale cannot reproduce the paper", "", scale_notes(summary)]
     lines += ["## Files", "", FILES_NOTE]
@@ -717,7 +756,7 @@ def render_report(manifest: dict, results: dict, summary: dict, models: list[str
 
 def write_report(out: Path, manifest: dict, results: dict) -> list[Path]:
     models = [m for m in MODELS if any((m, a) in results for a in ALGOS)]
-    missing = [f"{m}/{a}" for m in models for a in ALGOS if (m, a) not in results]
+    missing = [f"{m}/{a}" for m in models for a in algos_of(m) if (m, a) not in results]
     if missing:
         raise UserError(f"{out / MANIFEST} has no runs for {', '.join(missing)}; rerun the benchmark for them")
     summary = summarize(results, window(manifest["settings"]["steps"]))

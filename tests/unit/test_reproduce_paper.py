@@ -156,6 +156,12 @@ def test_run_configs_differ_only_in_the_algorithm(rp, tmp_path):
         d.pop("algorithm")
         d["trainer"].pop("experiment_name")
     assert rest_a == rest_b  # same model, data, seed, batch, lr, steps
+    replayed, plain = to_dict(rp.run_config("moe", "grpo_r2", 3, **kw)), to_dict(grpo)  # one key apart
+    assert replayed["actor"].pop("routing_replay") == "r2" and plain["actor"].pop("routing_replay") == "off"
+    for d in (replayed, plain):
+        d["trainer"].pop("experiment_name")
+    assert replayed == plain
+    assert rp.algos_of("dense") == ["gspo", "grpo"] and rp.algos_of("moe") == ["gspo", "grpo", "grpo_r2"]
     dense = rp.run_config("dense", "grpo", 0, **(kw | {"grpo_agg": "seq-mean-token-mean"}))
     assert dense.algorithm.loss_agg_mode == "seq-mean-token-mean" and dense.model.path != gspo.model.path
 
@@ -207,6 +213,7 @@ def test_quick_sweep_writes_the_report_and_replots_it(tmp_path):
     assert [(r["model"], r["algo"], r["seed"], r["steps"]) for r in manifest["runs"]] == [
         ("moe", "gspo", 0, 2),
         ("moe", "grpo", 0, 2),
+        ("moe", "grpo_r2", 0, 2),
         ("dense", "gspo", 0, 2),
         ("dense", "grpo", 0, 2),
     ]
@@ -222,6 +229,13 @@ def test_quick_sweep_writes_the_report_and_replots_it(tmp_path):
             assert row[2] == f"{rec[0]['reward/mean']:.3f}" and row[3] == f"{rec[1]['reward/mean']:.3f}"
             clip = sum(r["actor/clipfrac_token"] for r in rec) / 2
             assert row[5] == f"{100 * clip:.3g}%"
+    # every MoE run measures how many experts moved within a step; GRPO + R2 is its own row
+    for algo, label in (("gspo", "GSPO"), ("grpo_r2", "GRPO + R2")):
+        rec = read_raw(out / "raw" / f"moe-{algo}-seed0.jsonl")
+        kept = sum(r["routing/update_agreement_mean"] for r in rec) / 2
+        assert 0 < kept <= 1 and table_row(report, "moe", label)[-1] == f"{100 * kept:.3g}%"
+    assert table_row(report, "dense", "GSPO")[-1] == "n/a"  # no routing on the dense control
+    assert "**Routing Replay, moe.**" in report
     names = ("reward", "reward_seeds", "clipfrac_token", "clipfrac_seq", "kl_k3_token", "grad_norm", "response_length")
     for name in names:
         assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC

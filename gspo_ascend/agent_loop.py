@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from .engines.base import Request, SampleBatch, SamplingParams
+from .engines.routing import merge_segments
 from .partial_rollout import round_seed
 from .tools.calls import parse_tool_calls
 
@@ -51,6 +52,9 @@ class Trajectory:
     eos: bool = False  # its last model turn ended with EOS
     tools: Any = None  # its row's tools (tools/plan.py's RowTools; None: every tool of the box)
     index: int = 0  # its place among the step's trajectories (prompt g's sample j: g * n + j): its seeds
+    # an MoE model's routes of every token fed so far, each from the turn that first fed it (a tool turn's tokens
+    # are fed by the next model turn's prefill; engines/routing.py); None: the engine returns none
+    routes: Any = None
 
 
 class ToolTurns:
@@ -127,11 +131,12 @@ class AgentLoop:
                     for t in active
                 ]
             got = generate(requests, params)
+            routes = got.routed_experts or [None] * len(active)
             pending = []
-            for t, ids, logps, length, eos in zip(active, got.response_ids, got.rollout_log_probs,
-                                                  got.response_lengths.tolist(), got.finished.tolist(),
-                                                  strict=True):  # fmt: skip
-                calls = self._model_turn(t, ids[:length].tolist(), logps[:length].tolist(), bool(eos), width)
+            for t, ids, logps, length, eos, r in zip(active, got.response_ids, got.rollout_log_probs,
+                                                     got.response_lengths.tolist(), got.finished.tolist(), routes,
+                                                     strict=True):  # fmt: skip
+                calls = self._model_turn(t, ids[:length].tolist(), logps[:length].tolist(), bool(eos), width, r)
                 if calls:
                     pending.append((t, calls))
             answers = iter(self.toolbox.call([c for _, calls in pending for c in calls], step,
@@ -165,9 +170,9 @@ class AgentLoop:
             stepper.add(t.index, t.prompt, width, turn_seed(params.seed, t.index, 0))
         waiting: dict[int, tuple[Any, int]] = {}
         while stepper.busy() or waiting:
-            for key, new, logps, eos in stepper.step() if stepper.busy() else []:
+            for key, new, logps, eos, *routes in stepper.step() if stepper.busy() else []:
                 t = by_key[key]
-                calls = self._model_turn(t, new, logps, eos, width)
+                calls = self._model_turn(t, new, logps, eos, width, routes[0] if routes else None)
                 _note(events, "turn", key, t.turns)
                 if calls:
                     waiting[key] = (self.toolbox.submit(calls, step, [t.tools] * len(calls)), len(calls))
@@ -199,9 +204,14 @@ class AgentLoop:
 
         return generate_each
 
-    def _model_turn(self, t: Trajectory, new: list[int], logps: list[float], eos: bool, width: int) -> list:
-        """A model turn appended to ``t``; returns its calls when the trajectory goes on with a tool turn (else
-        marks it done: no call, the last allowed turn, or the budget spent)."""
+    def _model_turn(
+        self, t: Trajectory, new: list[int], logps: list[float], eos: bool, width: int, routes=None
+    ) -> list:
+        """A model turn appended to ``t`` (``routes``: the turn's, over its whole prompt and its tokens); returns its
+        calls when the trajectory goes on with a tool turn (else marks it done: no call, the last allowed turn, or
+        the budget spent)."""
+        if routes is not None:
+            t.routes = merge_segments(t.routes, routes)
         t.tokens += new
         t.model += [1.0] * len(new)
         t.logps += logps
@@ -222,8 +232,9 @@ class Stepper(Protocol):
 
     def busy(self) -> bool: ...
 
-    def step(self) -> list[tuple[int, list[int], list[float], bool]]:
-        """The requests that finished in this step: (key, tokens, their log-probs, ended with EOS)."""
+    def step(self) -> list[tuple]:
+        """The requests that finished in this step: (key, tokens, their log-probs, ended with EOS[, routes]); the
+        routes (an MoE model's, over the request's prompt and tokens) where the engine returns them."""
         ...
 
 
@@ -286,7 +297,9 @@ def _batch(trajectories: list[Trajectory], width: int, pad_id: int) -> SampleBat
         span[i, :n] = 1.0
         loss[i, :n] = torch.tensor(t.model)
         logps[i, :n] = torch.tensor(t.logps)
+    routes = [t.routes for t in trajectories]
     return SampleBatch(
+        routed_experts=routes if routes and all(r is not None for r in routes) else None,
         prompt_ids=[t.prompt for t in trajectories],
         response_ids=ids,
         response_mask=span,

@@ -571,11 +571,6 @@ def _routing_replay(cfg: Config) -> Iterable[str]:
             f"{key} (r2) replays the routes of the old-log-prob forward, which algorithm.old_logprobs=engine skips: "
             "set algorithm.old_logprobs=recompute, or use r3 (the rollout engine's routes)"
         )
-    if mode == "r3" and cfg.tools.enabled:
-        yield (
-            f"{key} (r3) replays the rollout's routes, which multi-turn trajectories (tools.names / tools.by_source) "
-            "do not carry yet: use r2 or off with tools"
-        )
     if mode != "off" and cfg.actor.ulysses_sequence_parallel_size > 1:
         yield (
             f"{key} ({mode}) is not wired through Ulysses sequence parallelism yet: set "

@@ -226,7 +226,7 @@ class EngineSteps:
         with _lifted():
             return self.llm.llm_engine.has_unfinished_requests()
 
-    def step(self) -> list[tuple[int, list[int], list[float], bool]]:
+    def step(self) -> list[tuple[int, list[int], list[float], bool, torch.Tensor | None]]:
         with _lifted():
             outputs = self.llm.llm_engine.step()
         done = []
@@ -238,7 +238,11 @@ class EngineSteps:
             if sample.logprobs is None or len(sample.logprobs) != len(tokens):
                 raise RuntimeError(f"vLLM returned {len(tokens)} tokens without their log-probs for {out.request_id}")
             logps = [lp[t].logprob for lp, t in zip(sample.logprobs, tokens, strict=True)]
-            done.append((int(out.request_id.split("-")[1]), tokens, logps, sample.finish_reason == "stop"))
+            dtype = self.rollout.route_dtype
+            routes = (
+                None if dtype is None else sample_routes(sample, len(out.prompt_token_ids) + len(tokens) - 1, dtype)
+            )
+            done.append((int(out.request_id.split("-")[1]), tokens, logps, sample.finish_reason == "stop", routes))
         return done
 
 

@@ -112,3 +112,33 @@ def _spans(mask: list[float], value: float) -> list[tuple[int, int]]:
             spans.append((start, i))
             start = None
     return spans
+
+
+def test_a_trajectorys_routes_are_those_of_one_forward_over_it(toolbox):
+    """On the tiny MoE every token fed, the tool turns' included (first fed by the next model turn's prefill), keeps
+    the experts the engine routed it to; under frozen weights they are one full forward's over the trajectory."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo_ascend.engines import routing
+    from gspo_ascend.engines.hf_rollout import HFRolloutEngine
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    engine = HFRolloutEngine(str(ensure_tiny_model(moe=True)), backend=get_backend("cpu"))
+    turns = ToolTurns(engine.tokenizer, "<|im_end|>")
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=96, seed=5)
+    loop = AgentLoop(toolbox, turns, max_turns=3, max_calls_per_turn=2, pad_id=engine.pad_token_id,
+                     parse=one_call_per_turn)  # fmt: skip
+    batch, _ = loop.turn_by_turn(prompts_of(engine.tokenizer), params, engine.generate_requests, step=1)
+    model = AutoModelForCausalLM.from_pretrained(engine.model.name_or_path).eval()
+    multi_turn = 0
+    for i, routes in enumerate(batch.routed_experts):
+        n = int(batch.response_mask[i].sum())
+        seq = batch.prompt_ids[i] + batch.response_ids[i, :n].tolist()
+        cut_in_tool_turn = batch.loss_mask[i, n - 1] == 0  # no model turn fed its last tool tokens
+        assert routes.shape[0] == len(seq) - 1 or (cut_in_tool_turn and routes.shape[0] < len(seq) - 1)
+        with torch.no_grad(), routing.routed(model, record=True) as log:
+            model(input_ids=torch.tensor([seq]))
+        own = log.stacked()[: routes.shape[0]]
+        assert (routes.long().sort(-1).values == own.sort(-1).values).all(), i
+        multi_turn += bool((batch.loss_mask[i, :n] == 0).any())
+    assert multi_turn >= 3

@@ -171,10 +171,13 @@ class FSDPEngine:
         mode, shape = self.cfg.actor.routing_replay, routing.moe_shape(self.model)
         if shape is None:
             if mode != "off":
-                raise ConfigError(
-                    f"config key 'actor.routing_replay' ({mode}) needs an MoE model with a supported router "
-                    f"({', '.join(routing.MODEL_TYPES)}); {self.model.config.model_type} has none: set it to off"
+                kind = self.model.config.model_type
+                why = (
+                    "transformers 5's router modules (this transformers builds the router as a plain Linear)"
+                    if kind in routing.MODEL_TYPES
+                    else f"an MoE model with a supported router ({', '.join(routing.MODEL_TYPES)}); {kind} has none"
                 )
+                raise ConfigError(f"config key 'actor.routing_replay' ({mode}) needs {why}: set it to off")
             return None
         if self.sp is not None:
             if self.rank == 0:

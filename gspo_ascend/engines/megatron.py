@@ -77,7 +77,8 @@ megatron's call protocol: :class:`.megatron_train.MegatronTrainStep` (forward, b
 comes before the model is built (megatron's import on this device, the config checks, our TransformerConfig
 settings, the finalize hook). What has a concern of its own lives beside them (:mod:`.megatron_bridge` weights and
 names, :mod:`.megatron_cp` context parallelism, :mod:`.megatron_compat` release differences, :mod:`.megatron_offload`
-actor.offload, :mod:`.mindspeed_setup` MindSpeed's configuration).
+actor.offload, :mod:`.megatron_routing` MoE routing replay and agreement through megatron-core's RouterReplay,
+:mod:`.mindspeed_setup` MindSpeed's configuration).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import megatron_bridge as mb
 from gspo_ascend.engines import megatron_cp as cp_support
-from gspo_ascend.engines import mindspeed_setup
+from gspo_ascend.engines import megatron_routing, mindspeed_setup
 from gspo_ascend.engines.megatron_checkpoint import CHECKPOINT_FORMAT, MegatronCheckpointing
 from gspo_ascend.engines.megatron_compat import decay_every_parameter, destroy_model_parallel
 from gspo_ascend.engines.megatron_offload import OFFLOAD_PARTS, Offload, part_bytes
@@ -120,12 +121,13 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
     def __init__(self, cfg: Config, backend: Backend, model_path: str, *, force_offload: bool = False) -> None:
         """``force_offload``: run the actor.offload mechanism even on CPU (where it only costs time), for tests."""
         _check_config(cfg, backend)
+        self.hf_config = mb.load_hf_config(model_path)
+        megatron_routing.check_model(cfg.actor.routing_replay, self.hf_config)  # before anything starts
         self.cfg, self.backend = cfg, backend
         self.owns_process_group = ensure_process_group(backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = select_device(backend, self.rank)
         self.model_path = model_path
-        self.hf_config = mb.load_hf_config(model_path)
         on_cpu = backend.torch_device_type == "cpu"
         self.mindspeed = mindspeed_setup.enabled(backend)
         # MoE + TP needs SP, which the local spec cannot run on CPU; under MindSpeed (the emulated NPU) it runs
@@ -134,6 +136,7 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
         # MindSpeed's arguments come from the config, in this process (a Ray actor's sys.argv is Ray's)
         ms_args = mindspeed_setup.mindspeed_args(cfg, moe=self.moe) if self.mindspeed else None
         _import_megatron(backend, ms_args)
+        megatron_routing.check_megatron(cfg.actor.routing_replay)
         self.compute_dtype = _DTYPES[cfg.model.dtype]
         self.owns_parallel_state = self._init_parallel_state()
         self._init_groups()
@@ -150,6 +153,10 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
         self.tconfig = mb.unwrap(self.models[0]).config
         self.tconfig.finalize_model_grads_func = _finalize_grads
         self.optimizer = self._build_optimizer()
+        # MoE routing replay and agreement (megatron_routing.py): the policy's routers; the KL reference's route freely
+        parallel, mode = (self.tp, self.tp_rank, self.cp), cfg.actor.routing_replay
+        self.routing = megatron_routing.attach(mode, self.models, self.tconfig, parallel, self.rank == 0)
+        self.routes = None if self.routing is None else self.routing.book
         self.layout = mb.HFLayout(self.hf_config)
         self.policy_loss = engine_policy_loss(cfg, backend)  # an attribute so tests can wrap it
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
@@ -278,6 +285,7 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
 
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group if this engine created them."""
+        megatron_routing.release(self.models + (self.ref_models or []))
         if self.owns_parallel_state:
             destroy_model_parallel()
             self.owns_parallel_state = False

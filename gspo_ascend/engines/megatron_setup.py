@@ -146,6 +146,8 @@ def _transformer_overrides(cfg: Config, backend: Backend, moe: bool, use_te: boo
     }
     if moe:
         overrides["moe_router_dtype"] = "fp32"  # HF computes routing probabilities in float32 too
+        if a.routing_replay != "off":  # a RouterReplay per router (megatron_routing.py; 0.16 and later)
+            overrides["moe_enable_routing_replay"] = True
     if not use_te:  # fusions that need TE or Apex kernels
         overrides.update(
             moe_grouped_gemm=False,

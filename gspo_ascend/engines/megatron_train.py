@@ -6,6 +6,7 @@ with the non-finite skip rule and fsdp's warm-up. How and why: the module docstr
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -138,14 +139,19 @@ class MegatronTrainStep:
         self._oversized = plan.oversized
         return micros
 
-    def _schedule(self, models, micros: list[_Micro], forward_only: bool, loss_fn) -> None:
-        """One pass of megatron's forward(-backward) schedule (1F1B with PP > 1) over ``micros``."""
+    def _schedule(self, models, micros: list[_Micro], forward_only: bool, loss_fn, phase: str | None = None) -> None:
+        """One pass of megatron's forward(-backward) schedule (1F1B with PP > 1) over ``micros``. ``phase``: the
+        policy's ``old`` / ``update`` forwards, whose MoE routers replay and are measured (megatron_routing.py)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         one = torch.ones((), dtype=torch.int, device=self.device)
+        routed = phase is not None and self.routing is not None
+        scope = self.routing.running(phase, micros, self.device) if routed else contextlib.nullcontext()
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
+            if routes is not None:  # this micro-batch's replayed experts, set just before its forward
+                routes(micro)
             output = model(micro.tokens, micro.position_ids, None)  # last stage: logits [b, S, V/TP]
 
             def loss(output_tensor):
@@ -154,17 +160,18 @@ class MegatronTrainStep:
 
             return output, loss
 
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micros),
-            model=models,
-            num_microbatches=len(micros),
-            seq_length=max(m.tokens.shape[1] for m in micros),
-            micro_batch_size=max(m.tokens.shape[0] for m in micros),
-            forward_only=forward_only,
-        )
+        with scope as routes:  # the routing scope's per-micro-batch callback (None: no routing), read by forward_step
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micros),
+                model=models,
+                num_microbatches=len(micros),
+                seq_length=max(m.tokens.shape[1] for m in micros),
+                micro_batch_size=max(m.tokens.shape[0] for m in micros),
+                forward_only=forward_only,
+            )
 
-    def _forward_only(self, models, batch: SampleBatch, temperature: float) -> torch.Tensor:
+    def _forward_only(self, models, batch: SampleBatch, temperature: float, phase: str | None = None) -> torch.Tensor:
         """[B, R] float32 host log-probs of the whole (group) batch, on every rank of the pipeline."""
         out = torch.zeros(tuple(batch.response_ids.shape), dtype=torch.float32)
 
@@ -177,7 +184,7 @@ class MegatronTrainStep:
         for model in models:
             model.eval()
         with torch.no_grad():
-            self._schedule(models, self._micros(batch), True, loss_fn)
+            self._schedule(models, self._micros(batch), True, loss_fn, phase)
         if self.pp > 1:  # only the last stage computed them
             moved = out.to(self.device)
             dist.broadcast(moved, src=dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
@@ -190,7 +197,9 @@ class MegatronTrainStep:
     def compute_log_probs(self, batch: SampleBatch, temperature: float) -> torch.Tensor:
         """[B, R] float32 on the host, no grad, for this rank's rows."""
         shards = self._group_shards(batch)
-        full = self._forward_only(self.models, SampleBatch.concat(shards), temperature)
+        if self.routes is not None:
+            self.routes.old_routes = {}  # this forward's routes replace the last batch's
+        full = self._forward_only(self.models, SampleBatch.concat(shards), temperature, "old")
         start = sum(len(s) for s in shards[: self.mp_rank])
         return full[start : start + len(batch)]
 
@@ -204,7 +213,12 @@ class MegatronTrainStep:
             record = self.backward_minibatch(SampleBatch.concat([s[j] for s in shards]), temperature)
             self._step(record)
             records.append(record)
-        return self._metrics(records)
+        metrics = self._metrics(records)
+        # a collective over every rank, like the metrics above; the agreement is a ratio per layer, and every rank
+        # holding a (token, layer) counts it (TP ranks without SP all do), the same number of times for every layer
+        if self.routes is not None:
+            metrics.update(self.routes.metrics(self._all_reduce))
+        return metrics
 
     @on_device
     def backward_minibatch(self, minibatch: SampleBatch, temperature: float) -> MinibatchRecord:
@@ -241,7 +255,7 @@ class MegatronTrainStep:
             model.train()
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._schedule(self.models, micros, False, loss_fn)
+        self._schedule(self.models, micros, False, loss_fn, "update")
         record.skipped = bool(bad)
         return record
 

@@ -1,0 +1,328 @@
+"""MoE routing replay and routing agreement on the ``megatron`` engine (:mod:`.megatron`): the semantics of
+:mod:`.routing` (:class:`~.routing.ReplayBook` says what each forward replays and compares under
+``actor.routing_replay`` off / r2 / r3, and keeps the old forward's routes and the agreement counts) on megatron-core's
+GPTModel.
+
+Replay is megatron-core's own ``RouterReplay`` (``megatron/core/transformer/moe/router_replay.py``, megatron-core
+0.16; ``moe_enable_routing_replay`` gives every ``TopKRouter`` one). Before each micro-batch's forward every router of
+the policy is handed its target experts, ``[S * b, k]`` int64 in megatron's token order (the ``[S, b]`` activations
+flattened, row ``s * b + j`` = position s of sample j). Megatron's top-k routing then takes those experts and the gate
+weights from the *current* logits (Qwen3-MoE, ``moe_router_pre_softmax=False``: the softmax over the k replayed
+logits, i.e. re-normalised like HF's ``norm_topk_prob``), so the router still learns. The registry
+``RouterReplay.global_router_replay_instances`` mixes the policy's routers with the KL reference's; we never use its
+global setters: each router of the policy is driven through its own instance, and the reference routes for itself.
+
+The router's own choice (the agreement metric, and the routes r2 replays) is the top-k of the logits its ``gating``
+returns (wrapped per router instance): RouterReplay does not record it while replaying. That is megatron's own choice
+for softmax routing without expert bias, group-limited routing, the fused router or token dropping (softmax is
+monotonic, so the set is the same before or after it): what mbridge builds for Qwen2 / Qwen3-MoE. Other router
+settings are refused for replay (:func:`own_choice_problem`) and not measured with replay off.
+
+Activation recompute (``actor.recompute``) re-runs a router in backward: a forward pre-hook sets ``REPLAY_BACKWARD``
+there (RouterReplay pops the targets of the micro-batches in the order they were set, which is the order their
+backwards run in every schedule), ``REPLAY_FORWARD`` otherwise; the own-choice wrapper skips those re-runs.
+
+A token without a route (padding, the rollout's last sampled token, a dummy pass) gets the filler experts 0..k-1:
+megatron's replay needs a target for every row, and no loss reads those rows' outputs (right padding and a sample's
+last token come after every position the loss reads, under a causal mask; mbridge's Qwen-MoE has no capacity limit
+and no load-balancing loss that would couple tokens). The agreement counts leave those rows out.
+
+Parallelism. PP: a stage's routers are its layers (the MoE layer ordinal from the router's global layer number);
+SP: a router sees its TP rank's contiguous ``S / tp`` positions; CP: this rank's zigzag positions (the micro-batch's
+position ids, :mod:`.megatron_cp`). The old forward's own routes are gathered over the ranks that split a sequence
+(TP with SP, CP) before they are kept per sample; each pipeline stage keeps only its own layers (the others stay 0:
+no stage reads another's).
+
+How we differ from verl's megatron actor (``verl/utils/megatron/router_replay_*``): megatron-core's own RouterReplay,
+not a copy patched into ``TopKRouter``; the old forward's routes stay in the engine, found again by the sample's tokens
+(:class:`~.routing.ReplayBook`), instead of riding back through the driver; right-padded ``[b, S]`` micro-batches, not
+packed THD sequences; the agreement with the rollout and within the update is measured in every MoE run.
+
+megatron-core 0.12.1 (the previous NPU line) has no RouterReplay: replay is refused there with one line; the agreement
+is still measured (it only needs ``gating``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_ascend.engines import routing
+from gspo_ascend.engines.logprobs import response_lengths
+from gspo_ascend.errors import ConfigError
+
+_KEY = "config key 'actor.routing_replay'"
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def check_model(mode: str, hf_config: Any) -> None:
+    """Replay on a dense model is refused before anything starts."""
+    if mode != "off" and not getattr(hf_config, "num_experts", None):
+        kind = getattr(hf_config, "model_type", "this model")
+        raise ConfigError(f"{_KEY} ({mode}) needs an MoE model; {kind} has no experts: set it to off")
+
+
+def check_megatron(mode: str) -> None:
+    """After megatron is imported: replay needs megatron-core's RouterReplay (0.16 and later)."""
+    if mode == "off":
+        return
+    try:
+        import megatron.core.transformer.moe.router_replay  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"{_KEY} ({mode}) needs megatron-core's RouterReplay (megatron-core 0.16 and later); megatron-core "
+            f"{_version('megatron-core')} has none: set it to off, or use the 0.16 line"
+        ) from None
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def own_choice_problem(tconfig: Any) -> str | None:
+    """Why top-k of the router's logits would not be megatron's own choice (or replay would bypass RouterReplay)
+    under this TransformerConfig, else None."""
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(tconfig, name, default)  # fields megatron-core 0.12.1 lacks read as their default
+
+    rules = [
+        (get("moe_router_score_function", "softmax") == "softmax", "a score function other than softmax"),
+        (get("moe_router_load_balancing_type") != "sinkhorn", "sinkhorn routing"),
+        (not get("moe_router_enable_expert_bias"), "an expert bias"),
+        (not get("moe_router_num_groups"), "group-limited routing"),
+        (not get("moe_router_fusion"), "the fused router (moe_router_fusion)"),
+        (get("moe_expert_capacity_factor") is None, "token dropping (moe_expert_capacity_factor)"),
+        (not get("moe_router_force_load_balancing"), "forced load balancing"),
+    ]
+    return next((problem for ok, problem in rules if not ok), None)
+
+
+def moe_layer_numbers(tconfig: Any) -> list[int]:
+    """The global (1-based) layer numbers of the MoE layers, in order: megatron's ``moe_layer_freq`` pattern."""
+    freq = tconfig.moe_layer_freq
+    pattern = [int(i % freq == 0) for i in range(tconfig.num_layers)] if isinstance(freq, int) else list(freq)
+    return [i + 1 for i, moe in enumerate(pattern) if moe]
+
+
+# ----------------------------------------------------------------------------------------------- layout
+
+
+def local_positions(position_ids: torch.Tensor, tp: int, tp_rank: int, sp: bool) -> torch.Tensor:
+    """The sequence positions of the rows this rank's routers see, in their order (host int64): the micro-batch's
+    position ids (with CP this rank's zigzag part), cut to the TP rank's contiguous ``S / tp`` part under sequence
+    parallelism (megatron scatters the ``[S, b, H]`` activations along S)."""
+    positions = position_ids[0].cpu()
+    if sp and tp > 1:
+        part = positions.numel() // tp
+        positions = positions[tp_rank * part : (tp_rank + 1) * part]
+    return positions
+
+
+def place(
+    routes: Sequence[torch.Tensor | None] | None, positions: torch.Tensor, b: int, layers: Sequence[int], k: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per MoE layer in ``layers`` the ``[len(positions) * b, k]`` int64 targets of a micro-batch's rows (row
+    ``s * b + j``: position ``positions[s]`` of sample j; ``routes[j]`` is sample j's ``[tokens, all layers, k]``),
+    and which rows have a route. Rows without one get the filler 0..k-1 (module docstring)."""
+    block = torch.arange(k).expand(len(positions), b, len(layers), k).clone()
+    given = torch.zeros(len(positions), b, dtype=torch.bool)
+    for j, r in enumerate(routes or []):
+        if r is None:
+            continue
+        here = positions < r.shape[0]
+        block[here, j] = r[positions[here]][:, list(layers)].long()
+        given[here, j] = True
+    return [block[:, :, i].reshape(-1, k) for i in range(len(layers))], given.reshape(-1)
+
+
+def assemble(
+    own: torch.Tensor, positions: torch.Tensor, lengths: Sequence[int], layers: Sequence[int], total: int, dtype
+) -> list[torch.Tensor]:
+    """The inverse of :func:`place`: rows ``own`` ``[len(positions), b, len(layers), k]`` (every rank's part of the
+    sequences, gathered) -> per sample j its first ``lengths[j]`` positions' routes ``[n, total, k]`` in ``dtype``;
+    layers outside ``layers`` (another pipeline stage's) stay 0."""
+    out = []
+    index = torch.as_tensor(list(layers), dtype=torch.long)
+    for j, n in enumerate(lengths):
+        here = positions < n
+        routes = torch.zeros(n, total, own.shape[-1], dtype=dtype)
+        routes[positions[here].unsqueeze(1), index] = own[here, j].to(dtype)
+        out.append(routes)
+    return out
+
+
+def _gather_rows(own: torch.Tensor, positions: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's rows of the same sequences (the ranks of ``group`` split them), positions alongside: the
+    group's order does not matter."""
+    if group is None or dist.get_world_size(group) == 1:
+        return own.cpu(), positions
+    size = dist.get_world_size(group)
+    rows = [torch.empty_like(own) for _ in range(size)]
+    dist.all_gather(rows, own.contiguous(), group=group)
+    pos = positions.to(own.device)
+    where = [torch.empty_like(pos) for _ in range(size)]
+    dist.all_gather(where, pos, group=group)
+    return torch.cat(rows).cpu(), torch.cat(where).cpu()
+
+
+def _same_set(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row: the same expert set (order ignored)."""
+    return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+
+def sequence_group(sp: bool, tp: int, cp: int):
+    """The process group whose ranks split one sequence's positions (None: this rank sees them all)."""
+    from megatron.core import parallel_state as ps
+
+    if cp > 1:
+        return ps.get_tensor_and_context_parallel_group() if sp and tp > 1 else ps.get_context_parallel_group()
+    return ps.get_tensor_model_parallel_group() if sp and tp > 1 else None
+
+
+# ----------------------------------------------------------------------------------------------- the routers
+
+
+class MegatronRouting:
+    """The policy's routers under one :class:`~.routing.ReplayBook`; see the module docstring."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], book: routing.ReplayBook, tconfig: Any, parallel) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        ordinal = {number: i for i, number in enumerate(moe_layer_numbers(tconfig))}
+        self.book, self.k, self.experts = book, int(tconfig.moe_router_topk), int(tconfig.num_moe_experts)
+        self.routers = [m for model in models for m in model.modules() if isinstance(m, TopKRouter)]
+        self.layers = [ordinal[r.layer_number] for r in self.routers]  # this stage's MoE layers
+        self.tp, self.tp_rank, self.cp = parallel
+        self.sp = bool(tconfig.sequence_parallel)
+        self.group = sequence_group(self.sp, self.tp, self.cp)
+        self._phase: str | None = None
+        self._replaying = False
+        self._own: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        for i, router in enumerate(self.routers):
+            router.gating = self._recording(i, router.gating)  # an instance attribute over the class's method
+            if getattr(router, "router_replay", None) is not None:
+                router.register_forward_pre_hook(self._set_action)
+
+    def _recording(self, i: int, gating: Callable) -> Callable:
+        def gating_and_own_choice(input):
+            logits = gating(input)
+            # a re-run in backward (activation recompute) is not a new forward: its choice is the forward's
+            if self._phase is not None and torch._C._current_graph_task_id() == -1:
+                with torch.no_grad():
+                    self._own[i].append(logits.detach().reshape(-1, self.experts).topk(self.k, -1).indices)
+            return logits
+
+        return gating_and_own_choice
+
+    def _set_action(self, router: torch.nn.Module, _args) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction as Action
+
+        if not self._replaying:
+            router.router_replay.clear_router_replay_action()
+            return
+        backward = torch._C._current_graph_task_id() != -1  # activation recompute inside autograd's backward
+        router.router_replay.set_router_replay_action(Action.REPLAY_BACKWARD if backward else Action.REPLAY_FORWARD)
+
+    def _rows(self, micro, routes) -> tuple[list[torch.Tensor], torch.Tensor]:
+        positions = local_positions(micro.position_ids, self.tp, self.tp_rank, self.sp)
+        return place(routes, positions, micro.tokens.shape[0], self.layers, self.k)
+
+    @contextlib.contextmanager
+    def running(self, phase: str, micros: Sequence[Any], device) -> Iterator[Callable[[Any], None]]:
+        """One schedule of the policy over ``micros`` in ``phase`` (``old`` / ``update``). Yields the callback the
+        schedule's forward step calls with each micro-batch just before the model; afterwards the agreement is
+        counted and, after an ``old`` forward, its routes are kept in the book."""
+        plans = {id(m): self.book.targets(m.sample, phase) for m in micros if m.sample is not None}
+        self._replaying = any(replay is not None for replay, _ in plans.values())
+        if self._replaying and not all(getattr(r, "router_replay", None) for r in self.routers):
+            raise RuntimeError("routing replay: megatron's routers have no RouterReplay (moe_enable_routing_replay)")
+        for router in self.routers:
+            if self._replaying:
+                router.router_replay.clear_indices()  # set_target_indices appends to its backward list
+
+        def before_forward(micro) -> None:
+            if self._replaying:
+                replay = plans[id(micro)][0] if micro.sample is not None else None
+                for router, target in zip(self.routers, self._rows(micro, replay)[0], strict=True):
+                    router.router_replay.set_target_indices(target.to(device))
+
+        self._phase = phase
+        try:
+            yield before_forward
+            self._account(phase, micros, plans)
+        finally:
+            self._phase, self._replaying = None, False
+            self._own = [[] for _ in self.routers]
+            for router in self.routers:
+                if getattr(router, "router_replay", None) is not None:
+                    router.router_replay.clear_router_replay_action()
+                    router.router_replay.clear_indices()
+
+    def _account(self, phase: str, micros: Sequence[Any], plans: dict) -> None:
+        """The agreement of each real micro-batch's own choices with the phase's comparison routes; after an
+        ``old`` forward, its own routes per sample into the book."""
+        counts = {len(own) for own in self._own}
+        if self.routers and counts != {len(micros)}:
+            raise RuntimeError(f"routing: the routers ran {sorted(counts)} forwards for {len(micros)} micro-batches")
+        agreement = self.book.rollout if phase == "old" else self.book.update
+        for m, micro in enumerate(micros):
+            if micro.sample is None or not self.routers:
+                continue
+            own = [per_router[m] for per_router in self._own]
+            compare = plans[id(micro)][1]
+            if compare is not None:
+                targets, given = self._rows(micro, compare)
+                for layer, mine, theirs in zip(self.layers, own, targets, strict=True):
+                    same = _same_set(mine.cpu(), theirs)[given]
+                    agreement.add(layer, int(same.sum()), int(given.sum()))
+            if phase == "old":
+                self._remember(micro, own)
+
+    def _remember(self, micro, own: list[torch.Tensor]) -> None:
+        b = micro.tokens.shape[0]
+        positions = local_positions(micro.position_ids, self.tp, self.tp_rank, self.sp)
+        rows = torch.stack(own, 1).reshape(len(positions), b, len(own), self.k)
+        rows, positions = _gather_rows(rows, positions, self.group)
+        sample = micro.sample
+        fed = [len(p) + n for p, n in zip(sample.prompt_ids, response_lengths(sample), strict=True)]
+        self.book.remember(sample, assemble(rows, positions, fed, self.layers, self.book.layers, self.book.dtype))
+
+
+def attach(mode: str, models: Sequence[torch.nn.Module], tconfig: Any, parallel: tuple[int, int, int], verbose: bool):
+    """The policy's :class:`MegatronRouting`, or None for a dense model (replay refused there before) or a router
+    whose own choice we cannot read (replay refused; with replay off, no agreement metrics, said once).
+    ``parallel``: (TP size, TP rank, CP size)."""
+    if not getattr(tconfig, "num_moe_experts", None):
+        return None
+    problem = own_choice_problem(tconfig)
+    if problem is not None:
+        if mode != "off":
+            raise ConfigError(f"{_KEY} ({mode}) supports softmax top-k routers only; this model's has {problem}")
+        if verbose:
+            print(f"note: routing agreement is not measured: the router has {problem}", flush=True)
+        return None
+    layers = len(moe_layer_numbers(tconfig))
+    book = routing.ReplayBook(mode, layers, int(tconfig.moe_router_topk), int(tconfig.num_moe_experts))
+    return MegatronRouting(models, book, tconfig, parallel)
+
+
+def release(models: Sequence[torch.nn.Module]) -> None:
+    """Drop these models' RouterReplay instances from megatron's process-wide registry (it only ever grows)."""
+    try:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+    except ImportError:
+        return
+    mine = {id(m.router_replay) for model in models for m in model.modules() if getattr(m, "router_replay", None)}
+    registry = RouterReplay.global_router_replay_instances
+    registry[:] = [r for r in registry if id(r) not in mine]

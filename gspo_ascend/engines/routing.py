@@ -150,13 +150,17 @@ def routed(
 
         return forward
 
+    swapped = [r.__dict__.get("forward") for r in found]  # an enclosing block's swap (nested blocks stack)
     try:
         for layer, (router, original) in enumerate(zip(found, originals, strict=True)):
             router.forward = make(layer, router, original)
         yield log
     finally:
-        for router in found:
-            del router.forward  # back to the class's forward
+        for router, before in zip(found, swapped, strict=True):
+            if before is None:
+                del router.forward  # back to the class's forward
+            else:
+                router.forward = before
 
 
 def flatten(

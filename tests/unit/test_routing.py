@@ -228,25 +228,34 @@ def test_a_forced_routing_gap_shows_and_r3_narrows_the_log_prob_mismatch(moe_pat
     assert gaps["r3"] < 0.6 * gaps["off"]  # measured: 0.095 against 0.22 (the rest: the rollout's gate weights)
 
 
-def test_r2_replays_the_old_forwards_routes_after_the_router_moved(moe_path):
-    engine = fsdp(moe_path, "actor.routing_replay=r2", "actor.use_remove_padding=false")
+def test_r2_replays_the_old_forwards_routes_after_an_optimizer_step_moved_the_router(moe_path):
+    """Two minibatches: the first one's optimizer step (a large lr, built to move the routers) changes the experts
+    the router would choose for the second; its forwards still use the old-log-prob forward's, on every token."""
+    engine = fsdp(
+        moe_path, "actor.routing_replay=r2", "actor.use_remove_padding=false", "algorithm.minibatches_per_rollout=2"
+    )
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.05  # Adam moves every weight by about lr: the tiny router's weights are of that size
     batch = rollout_batch(moe_path)
     old = engine.compute_log_probs(batch, 1.0)
     recorded = [engine.routes.old_routes[k] for k in routing.sample_keys(batch)]
-    model = engine.model
-    perturb_routers(model, 2.0, seed=2)  # as if an optimizer step had moved the routers: they now choose others
-    used = UsedExperts(model)
-    metrics = engine.update(batch.replace(old_log_probs=old), 1.0)
-    assert metrics["routing/update_agreement_mean"] < 1  # their own choice moved ...
-    # ... yet the experts used are the recorded ones at every real token: two padded [4, width] micro-batches in
-    # batch order, each forward calling the layers' experts in order
+    used = UsedExperts(engine.model)
+    with routing.routed(engine.model, record=True) as log:  # the routers' own choices, under the replay's swap
+        metrics = engine.update(batch.replace(old_log_probs=old), 1.0)
+    # minibatch 1 ran at the old weights (own == recorded); minibatch 2 after the step: its own choice moved ...
+    assert 0 < metrics["routing/update_agreement_mean"] < 1
+    # ... yet the experts used are the recorded ones at every real token: one padded [4, width] micro-batch per
+    # minibatch, in batch order, each forward calling the layers' experts in order
     for m in range(2):
         rows = recorded[4 * m : 4 * m + 4]
         width = max(r.shape[0] for r in rows)
         for layer in range(used.layers):
             got = used.calls[m * used.layers + layer].reshape(4, width, 2)
+            own = log.own[layer][m].reshape(4, width, 2)
             for i, r in enumerate(rows):
                 assert same_sets(got[i, : r.shape[0]], r[:, layer].long()).all(), (m, layer, i)
+            moved = ~same_sets(own[:, : min(r.shape[0] for r in rows)], got[:, : min(r.shape[0] for r in rows)])
+            assert (m == 0) == (not moved.any()), (m, layer)  # the step moved the second minibatch's routing
     used.close()
     engine.close()
 

@@ -468,16 +468,30 @@ class WorkerGroup:
         return out
 
     def compute_log_probs(self, batch: SampleBatch, temperature: float):
+        """Each rank scores the samples its ``update`` will train (:meth:`update`'s shards): the old-log-prob
+        forward's MoE routes, which routing replay r2 replays, stay on the rank that recorded them. A batch that
+        does not cut into the minibatches (none the trainer sends) is split evenly."""
         import torch
 
-        return torch.cat(self._sharded("compute_log_probs", batch, temperature), 0)
+        from .engines.microbatch import dp_rows
+
+        k = self.cfg.algorithm.minibatches_per_rollout
+        if not k or len(batch) % (k * self.world_size):
+            return torch.cat(self._sharded("compute_log_probs", batch, temperature), 0)
+        rows = dp_rows(len(batch), self.world_size, k)
+        pairs = zip(self.workers, rows, strict=True)
+        got = self._get([w.compute_log_probs.remote(batch.select(r), temperature) for w, r in pairs])
+        out = torch.empty((len(batch), *got[0].shape[1:]), dtype=got[0].dtype)
+        for r, lp in zip(rows, got, strict=True):
+            out[r] = lp
+        return out
 
     def update(self, batch: SampleBatch, temperature: float, minibatches: int) -> dict[str, float]:
         """Rank r gets the r-th part of every minibatch, so minibatch j is the same set of samples at any
         data-parallel size (DP=2 trains exactly like DP=1 on the same batch)."""
+        from .engines.microbatch import dp_rows
 
-        parts = [mb.split(self.world_size) for mb in batch.split(minibatches)]
-        shards = [SampleBatch.concat([parts[j][r] for j in range(minibatches)]) for r in range(self.world_size)]
+        shards = [batch.select(r) for r in dp_rows(len(batch), self.world_size, minibatches)]
         per_rank = self._get([w.update.remote(s, temperature) for w, s in zip(self.workers, shards, strict=True)])
         return {k: sum(m[k] for m in per_rank) / len(per_rank) for k in per_rank[0]}
 

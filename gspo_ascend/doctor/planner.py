@@ -162,11 +162,14 @@ def routes_device_bytes(cfg, spec: ModelSpec, layers) -> int:
 
 
 def routes_host_bytes(cfg, spec: ModelSpec) -> int:
-    """A rollout batch's routes on the host at full length: the batch (one byte a route up to 256 experts, two
-    beyond: engines/routing.py route_dtype) and as many again for the trainer's old-forward routes, all ranks."""
+    """A rollout batch's routes on the hosts at full length, the whole job: the driver's batch (one byte a route up
+    to 256 experts, two beyond: engines/routing.py route_dtype) and the trainer ranks' copies of the old forward's
+    routes of their shards, which megatron keeps whole on every rank of a model-parallel group (TP x PP x CP)."""
     moe = sum(spec.is_moe_layer(i) for i in range(spec.layers))
     tokens = cfg.data.train_batch_size * cfg.rollout.n * seq_len(cfg)
-    return 2 * tokens * moe * spec.top_k * (1 if spec.experts <= 256 else 2)
+    lay = layout(cfg)
+    copies = lay.tp * lay.pp * lay.cp if cfg.actor.engine == "megatron" else 1
+    return (1 + copies) * tokens * moe * spec.top_k * (1 if spec.experts <= 256 else 2)
 
 
 # engines/fused_logprob.py's CHUNK_ROWS (the doctor imports no engine: a test holds the two equal)
@@ -653,8 +656,8 @@ def render_text(p: Plan) -> str:
         lines.append(f"  {what}: " + ", ".join(f"{k} -> {v / GIB:.2f} GiB" for k, v in values.items()))
     if p.routes_host_bytes:
         lines.append(
-            f"  MoE routes on the host, per rollout batch at full length: {p.routes_host_bytes / GIB:.2f} GiB "
-            "(the batch's and the trainer's old-forward copy; docs/engines.md, routing replay)"
+            f"  MoE routes on the hosts, the whole job, per rollout batch at full length: "
+            f"{p.routes_host_bytes / GIB:.2f} GiB (the batch and the trainer ranks' copies; docs/memory-planner.md)"
         )
     lines += ["", f"verdict: {p.verdict}"]
     if p.knobs:

@@ -171,9 +171,10 @@ class HFRolloutEngine:
         first prompt token, then one row per decode call (the token sampled one step before)."""
         b, width = len(prompts), max(len(p) for p in prompts)
         calls = len(log.own[0])
-        steps = [log.stacked(c).to("cpu", self.route_dtype) for c in range(calls)]
-        prefill = steps[0].reshape(b, width, *steps[0].shape[1:])
-        decode = torch.stack(steps[1:], 1) if calls > 1 else prefill[:, :0]  # [b, calls - 1, layers, k]
+        steps = [torch.stack([per_layer[c] for per_layer in log.own], 1) for c in range(calls)]  # on the device
+        prefill = steps[0].reshape(b, width, *steps[0].shape[1:]).to("cpu", self.route_dtype)
+        # [b, calls - 1, layers, k]: one device-to-host copy for every decode step, not one per step
+        decode = torch.stack(steps[1:], 1).to("cpu", self.route_dtype) if calls > 1 else prefill[:, :0]
         return [torch.cat([prefill[i, width - len(p) :], decode[i]], 0) for i, p in enumerate(prompts)]
 
     def _generation_config(self, params: SamplingParams) -> Any:
@@ -282,7 +283,7 @@ class _RowBudgets:
 
 def build_hf_rollout(cfg: Config, backend: Backend, model_path: str) -> HFRolloutEngine:
     """The engine for ``rollout.engine=hf``; ``model_path`` is ``model.path`` resolved (the tiny model for "")."""
-    return HFRolloutEngine(
+    engine = HFRolloutEngine(
         model_path,
         backend=backend,
         dtype=cfg.model.dtype,
@@ -290,6 +291,12 @@ def build_hf_rollout(cfg: Config, backend: Backend, model_path: str) -> HFRollou
         tokenizer_path=cfg.model.tokenizer_path,
         npu_patches=cfg.model.npu_patches,
     )
+    if cfg.actor.routing_replay == "r3" and engine.route_dtype is None:
+        raise ConfigError(
+            "config key 'actor.routing_replay' (r3) replays the rollout's routes, and the hf rollout records them "
+            f"only for {', '.join(routing.MODEL_TYPES)} on transformers 5 (their router modules): use r2 or off"
+        )
+    return engine
 
 
 # ----------------------------------------------------------------------------------------------- helpers

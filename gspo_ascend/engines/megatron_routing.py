@@ -64,7 +64,8 @@ _KEY = "config key 'actor.routing_replay'"
 
 def check_model(mode: str, hf_config: Any) -> None:
     """Replay on a dense model is refused before anything starts."""
-    if mode != "off" and not getattr(hf_config, "num_experts", None):
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if mode != "off" and not experts:
         kind = getattr(hf_config, "model_type", "this model")
         raise ConfigError(f"{_KEY} ({mode}) needs an MoE model; {kind} has no experts: set it to off")
 
@@ -208,22 +209,44 @@ class MegatronRouting:
         self.group = sequence_group(self.sp, self.tp, self.cp)
         self._phase: str | None = None
         self._replaying = False
-        self._own: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self._reset()
         for i, router in enumerate(self.routers):
             router.gating = self._recording(i, router.gating)  # an instance attribute over the class's method
             if getattr(router, "router_replay", None) is not None:
                 router.register_forward_pre_hook(self._set_action)
 
+    def _reset(self) -> None:
+        """Per schedule: agreement counts per router on the device (matched, compared: read once, at its end), and
+        the micro-batch whose forward runs now with its comparison routes and, in an ``old`` forward, its routers'
+        own choices (one byte an expert, on the device until the next micro-batch starts)."""
+        self._counts: torch.Tensor | None = None
+        self._micro: Any = None
+        self._compare: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        self._own: list[torch.Tensor | None] = [None] * len(self.routers)
+
     def _recording(self, i: int, gating: Callable) -> Callable:
         def gating_and_own_choice(input):
             logits = gating(input)
             # a re-run in backward (activation recompute) is not a new forward: its choice is the forward's
-            if self._phase is not None and torch._C._current_graph_task_id() == -1:
+            if self._phase is not None and self._micro is not None and torch._C._current_graph_task_id() == -1:
                 with torch.no_grad():
-                    self._own[i].append(logits.detach().reshape(-1, self.experts).topk(self.k, -1).indices)
+                    self._see(i, logits.detach().reshape(-1, self.experts).topk(self.k, -1).indices)
             return logits
 
         return gating_and_own_choice
+
+    def _see(self, i: int, own: torch.Tensor) -> None:
+        """Router ``i``'s own choice for the micro-batch now running: counted against its comparison routes on the
+        device (no host sync in the loop), and kept for the book after an ``old`` forward."""
+        if self._compare is not None:
+            targets, given = self._compare
+            if self._counts is None:
+                self._counts = torch.zeros(len(self.routers), 2, dtype=torch.long, device=own.device)
+            same = _same_set(own, targets[i]) & given
+            self._counts[i, 0] += same.sum()
+            self._counts[i, 1] += given.sum()
+        if self._phase == "old":
+            self._own[i] = own.to(torch.uint8 if self.experts <= 256 else torch.int32)  # gloo gathers no int16
 
     def _set_action(self, router: torch.nn.Module, _args) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction as Action
@@ -242,7 +265,7 @@ class MegatronRouting:
     def running(self, phase: str, micros: Sequence[Any], device) -> Iterator[Callable[[Any], None]]:
         """One schedule of the policy over ``micros`` in ``phase`` (``old`` / ``update``). Yields the callback the
         schedule's forward step calls with each micro-batch just before the model; afterwards the agreement is
-        counted and, after an ``old`` forward, its routes are kept in the book."""
+        counted and, after an ``old`` forward, its routes are in the book."""
         plans = {id(m): self.book.targets(m.sample, phase) for m in micros if m.sample is not None}
         self._replaying = any(replay is not None for replay, _ in plans.values())
         if self._replaying and not all(getattr(r, "router_replay", None) for r in self.routers):
@@ -252,42 +275,46 @@ class MegatronRouting:
                 router.router_replay.clear_indices()  # set_target_indices appends to its backward list
 
         def before_forward(micro) -> None:
+            self._finish_micro()
+            replay, compare = plans.get(id(micro), (None, None))
             if self._replaying:
-                replay = plans[id(micro)][0] if micro.sample is not None else None
                 for router, target in zip(self.routers, self._rows(micro, replay)[0], strict=True):
                     router.router_replay.set_target_indices(target.to(device))
+            self._micro = micro if micro.sample is not None else None
+            if self._micro is not None and compare is not None:
+                targets, given = self._rows(micro, compare)
+                self._compare = ([t.to(device) for t in targets], given.to(device))
 
         self._phase = phase
         try:
             yield before_forward
-            self._account(phase, micros, plans)
+            self._finish_micro()
+            self._account(phase)
         finally:
             self._phase, self._replaying = None, False
-            self._own = [[] for _ in self.routers]
+            self._reset()
             for router in self.routers:
                 if getattr(router, "router_replay", None) is not None:
                     router.router_replay.clear_router_replay_action()
                     router.router_replay.clear_indices()
 
-    def _account(self, phase: str, micros: Sequence[Any], plans: dict) -> None:
-        """The agreement of each real micro-batch's own choices with the phase's comparison routes; after an
-        ``old`` forward, its own routes per sample into the book."""
-        counts = {len(own) for own in self._own}
-        if self.routers and counts != {len(micros)}:
-            raise RuntimeError(f"routing: the routers ran {sorted(counts)} forwards for {len(micros)} micro-batches")
+    def _finish_micro(self) -> None:
+        """The micro-batch that ran last: after an ``old`` forward its own routes, per sample, into the book."""
+        micro, own = self._micro, self._own
+        self._micro, self._compare, self._own = None, None, [None] * len(self.routers)
+        if micro is None or self._phase != "old" or not self.routers:
+            return
+        if any(o is None for o in own):
+            raise RuntimeError("routing: a router of this stage did not run in the micro-batch's forward")
+        self._remember(micro, own)
+
+    def _account(self, phase: str) -> None:
+        """The schedule's agreement counts, read from the device once, into the book per MoE layer."""
+        if self._counts is None:
+            return
         agreement = self.book.rollout if phase == "old" else self.book.update
-        for m, micro in enumerate(micros):
-            if micro.sample is None or not self.routers:
-                continue
-            own = [per_router[m] for per_router in self._own]
-            compare = plans[id(micro)][1]
-            if compare is not None:
-                targets, given = self._rows(micro, compare)
-                for layer, mine, theirs in zip(self.layers, own, targets, strict=True):
-                    same = _same_set(mine.cpu(), theirs)[given]
-                    agreement.add(layer, int(same.sum()), int(given.sum()))
-            if phase == "old":
-                self._remember(micro, own)
+        for layer, (matched, compared) in zip(self.layers, self._counts.tolist(), strict=True):
+            agreement.add(layer, matched, compared)
 
     def _remember(self, micro, own: list[torch.Tensor]) -> None:
         b = micro.tokens.shape[0]

@@ -147,20 +147,20 @@ class MegatronTrainStep:
         one = torch.ones((), dtype=torch.int, device=self.device)
         routed = phase is not None and self.routing is not None
         scope = self.routing.running(phase, micros, self.device) if routed else contextlib.nullcontext()
+        with scope as before_forward:  # MoE routing: the routers' targets must be set per micro-batch, in order
 
-        def forward_step(data_iterator, model):
-            micro = next(data_iterator)
-            if routes is not None:  # this micro-batch's replayed experts, set just before its forward
-                routes(micro)
-            output = model(micro.tokens, micro.position_ids, None)  # last stage: logits [b, S, V/TP]
+            def forward_step(data_iterator, model):
+                micro = next(data_iterator)
+                if before_forward is not None:
+                    before_forward(micro)
+                output = model(micro.tokens, micro.position_ids, None)  # last stage: logits [b, S, V/TP]
 
-            def loss(output_tensor):
-                value, reported = loss_fn(micro, output_tensor)
-                return value, one, reported
+                def loss(output_tensor):
+                    value, reported = loss_fn(micro, output_tensor)
+                    return value, one, reported
 
-            return output, loss
+                return output, loss
 
-        with scope as routes:  # the routing scope's per-micro-batch callback (None: no routing), read by forward_step
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micros),

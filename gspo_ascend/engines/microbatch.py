@@ -92,14 +92,18 @@ def micro_batches(
     return [batch.select(g) for g in plan.groups], plan
 
 
+def dp_rows(n: int, world_size: int, minibatches: int) -> list[list[int]]:
+    """Per rank, the rows of a global batch of ``n`` that :func:`dp_shard` gives it, in the shard's order."""
+    if minibatches <= 0 or n % (minibatches * world_size):
+        raise ValueError(f"a batch of {n} samples cannot be cut into {minibatches} minibatches x {world_size} ranks")
+    size, part = n // minibatches, n // (minibatches * world_size)
+    return [[j * size + rank * part + t for j in range(minibatches) for t in range(part)] for rank in range(world_size)]
+
+
 def dp_shard(batch: SampleBatch, rank: int, world_size: int, minibatches: int) -> SampleBatch:
     """Rank ``rank``'s shard of a global rollout batch: the rank-th equal slice of each of the ``minibatches``
     contiguous minibatches, concatenated, so ``shard.split(minibatches)[j]`` on every rank together is
     exactly ``batch.split(minibatches)[j]``. ``len(batch)`` must divide by ``minibatches * world_size``."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
-    if minibatches <= 0 or len(batch) % (minibatches * world_size):
-        raise ValueError(
-            f"a batch of {len(batch)} samples cannot be cut into {minibatches} minibatches x {world_size} ranks"
-        )
-    return SampleBatch.concat([mb.split(world_size)[rank] for mb in batch.split(minibatches)])
+    return batch.select(dp_rows(len(batch), world_size, minibatches)[rank])

@@ -93,7 +93,7 @@ class RouteLog:
 
     def stacked(self, call: int = 0) -> torch.Tensor:
         """``[tokens, layers, k]`` int64 of router call ``call`` (a forward calls every router once)."""
-        return torch.stack([calls[call] for calls in self.own], 1)
+        return torch.stack([calls[call] for calls in self.own], 1).long()
 
 
 def _rows(routes: torch.Tensor, layer: int, own: torch.Tensor) -> torch.Tensor:
@@ -135,8 +135,8 @@ def routed(
     def make(layer: int, router, original):
         def forward(hidden_states):
             first, scores, own = original(hidden_states)
-            if record:
-                log.own[layer].append(own.detach())
+            if record:  # one byte an expert while it waits (a generate call keeps every step's)
+                log.own[layer].append(own.detach().to(torch.uint8 if router.num_experts <= 256 else torch.int32))
             if compare is not None:
                 with torch.no_grad():
                     theirs = _rows(compare, layer, own)
@@ -228,12 +228,12 @@ class ReplayBook:
     def targets(self, batch, phase: str) -> tuple[list | None, list | None]:
         """(replay, compare) per-sample routes for a forward of ``phase`` over ``batch``."""
         rollout = batch.routed_experts
+        if self.mode == "r3" and rollout is None:  # the rollout engines refuse r3 where they record none
+            raise RuntimeError("actor.routing_replay=r3: this batch carries no routes from the rollout engine")
         if phase == "old":
             return (rollout if self.mode == "r3" else None), rollout
         old = self._old(batch)
         if self.mode == "r3":
-            if rollout is None:
-                raise RuntimeError("actor.routing_replay=r3: this batch carries no routes from the rollout engine")
             return rollout, old
         return (old if self.mode == "r2" else None), old
 
@@ -241,7 +241,8 @@ class ReplayBook:
         found = [self.old_routes.get(key) for key in sample_keys(batch)] if self.old_routes else []
         if self.mode == "r2" and (not found or any(r is None for r in found)):
             raise RuntimeError(
-                "actor.routing_replay=r2: a sample of the update was not in the last old-log-prob forward"
+                "actor.routing_replay=r2: a sample of the update was not in this rank's last old-log-prob forward "
+                "(the workers score each rank's update shard: workers.WorkerGroup.compute_log_probs)"
             )
         return found if found and all(r is not None for r in found) else None
 

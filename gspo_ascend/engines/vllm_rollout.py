@@ -317,10 +317,11 @@ class VLLMRolloutEngine:
         capture them: not on its CPU build, where the capture needs Model Runner V2 and that needs Triton (vLLM
         0.32's ``VllmConfig`` refuses it; docs/stack-0.23.md). There r3 is refused and the routing agreement metrics
         are not measured, said once."""
-        if hf_config.get("model_type") not in routing.MODEL_TYPES:
+        experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")  # Qwen-MoE / Mixtral names
+        if not experts:
             return None
         if not self.host_build:
-            return routing.route_dtype(int(hf_config["num_experts"]))
+            return routing.route_dtype(int(experts))
         why = "vLLM's CPU build cannot return the experts it routed to (Model Runner V2 needs Triton)"
         if self.cfg.actor.routing_replay == "r3":
             raise ConfigError(

@@ -100,8 +100,9 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     # the routing tensors of a micro-batch: replayed + compared int64 routes, 8192 tokens x 24 stage layers x k 8
     assert p.train.parts["routes"] == 2 * 8 * 8192 * 24 * 8 == 25_165_824
     assert p.train.total == 48_205_103_104 + 3_774_873_600 + 25_165_824 == 52_005_142_528  # 48.43 GiB < 0.9 x 60
-    # the batch's routes on the host and the trainer's copy: 128 x 8 samples x 8192 tokens x 48 layers x 8 x 1 B x 2
-    assert p.routes_host_bytes == 128 * 8 * 8192 * 48 * 8 * 2
+    # the batch's routes on the host (128 x 8 samples x 8192 tokens x 48 layers x 8 x 1 B) and the trainer's copies of
+    # the old forward's, whole on each of the TP 4 x PP 2 ranks of a model-parallel group: 1 + 8 copies
+    assert p.routes_host_bytes == 128 * 8 * 8192 * 48 * 8 * (1 + 8)
     assert p.train_verdict == "fits"
     # rollout TP4: 48 x (4,718,592 + 266,496 + 603,979,776/4) + 2 x 311,164,928/4 + 2,048 = 7,642,626,048 params
     assert p.rollout.parts["weights"] == 15_285_252_096

@@ -268,6 +268,14 @@ def test_replay_is_refused_where_it_cannot_work(moe_path):
         load_config(overrides=["actor.routing_replay=r2", "algorithm.old_logprobs=engine"])
     with pytest.raises(ConfigError, match="needs an MoE model"):
         fsdp(str(ensure_tiny_model()), "actor.routing_replay=r3")
+    from gspo_ascend.engines.hf_rollout import build_hf_rollout
+
+    # a rollout engine that records no routes is refused at start, not at the first update
+    with pytest.raises(ConfigError, match="hf rollout records them only for qwen3_moe, qwen2_moe"):
+        build_hf_rollout(engine_config("actor.routing_replay=r3"), CPU, str(ensure_tiny_model()))
+    book = routing.ReplayBook("r3", 2, 2, 4)
+    with pytest.raises(RuntimeError, match="carries no routes"):  # and a batch without them, already in the old pass
+        book.targets(SampleBatch([[1]], torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1)), "old")
 
 
 def test_the_mismatch_metrics_by_hand():
@@ -315,3 +323,35 @@ def test_vllm_cpu_build_refuses_r3_and_says_once_it_has_no_routes(caplog):
     assert "no routing/rollout_agreement" in caplog.text
     engine.host_build = False  # a GPU / NPU: routes asked for, one byte a route up to 256 experts
     assert engine._route_dtype(hf) == torch.uint8 and engine._route_dtype({"model_type": "qwen3"}) is None
+
+
+def test_each_rank_scores_the_samples_it_will_update():
+    """r2 across data-parallel ranks: a rank's old-log-prob forward must cover the samples its update trains (the
+    routes stay on the rank that recorded them). Four ranks, two minibatches: the shards of compute_log_probs and
+    update are the same rows, and the log-probs come back in the batch's order."""
+    from types import SimpleNamespace
+
+    from gspo_ascend.workers import WorkerGroup
+
+    group = object.__new__(WorkerGroup)
+    group.cfg = engine_config("data.train_batch_size=16", "algorithm.minibatches_per_rollout=2")
+    group.world_size, group._get = 4, list
+    seen: dict[tuple[str, int], list[int]] = {}
+
+    def worker(rank):
+        def score(batch, temperature):
+            seen[("old", rank)] = [p[0] for p in batch.prompt_ids]
+            return torch.tensor([[float(p[0])] for p in batch.prompt_ids])
+
+        def update(batch, temperature):
+            seen[("update", rank)] = [p[0] for p in batch.prompt_ids]
+            return {"x": 0.0}
+
+        return SimpleNamespace(compute_log_probs=SimpleNamespace(remote=score), update=SimpleNamespace(remote=update))
+
+    group.workers = [worker(r) for r in range(4)]
+    batch = SampleBatch([[i] for i in range(16)], torch.zeros(16, 1, dtype=torch.long), torch.ones(16, 1))
+    assert group.compute_log_probs(batch, 1.0)[:, 0].tolist() == list(range(16))
+    group.update(batch, 1.0, 2)
+    for rank in range(4):
+        assert seen[("old", rank)] == seen[("update", rank)] == [2 * rank, 2 * rank + 1, 8 + 2 * rank, 9 + 2 * rank]

@@ -7,11 +7,11 @@ Claims under test (Zheng et al., arXiv 2507.18071): GSPO clips about two orders 
 GRPO yet learns faster, and GRPO is unstable on MoE models without Routing Replay while GSPO is not.
 
 What runs: for every seed, model (tiny Qwen3-MoE, then the dense tiny Qwen3 as a control) and algorithm (GRPO + R2
-on the MoE only), one ``gspo_ascend.trainer.train`` call on the synthetic arithmetic task with the same rollout batch (16 prompts x
-n=8), 4 minibatches per rollout batch, lr, response length and number of steps. GSPO = preset ``gspo_paper``
-(clip 3e-4 / 4e-4, seq-mean-token-mean); GRPO = preset ``grpo_paper`` (clip 0.2 / 0.27) with ``--grpo-agg``
-(default token-mean, the DAPO-style GRPO of configs/tiny_grpo.yaml). ``trainer.seed`` fixes the prompt order and
-the sampling seeds, so with one seed both algorithms see the same prompts and, at step 1, the same responses.
+on the MoE only), one ``gspo_ascend.trainer.train`` call on the synthetic arithmetic task with the same rollout
+batch (16 prompts x n=8), 4 minibatches per rollout batch, lr, response length and number of steps. GSPO = preset
+``gspo_paper`` (clip 3e-4 / 4e-4, seq-mean-token-mean); GRPO = preset ``grpo_paper`` (clip 0.2 / 0.27) with
+``--grpo-agg`` (default token-mean, the DAPO-style GRPO of configs/tiny_grpo.yaml). ``trainer.seed`` fixes the prompt
+order and the sampling seeds, so with one seed all algorithms see the same prompts and, at step 1, the same responses.
 Runs are interleaved (seed, model, algorithm) so load from other jobs on a shared machine hits both alike.
 
 Output in ``--out``: ``raw/<model>-<algo>-seed<k>.jsonl`` (each run's own metrics.jsonl, unmodified),

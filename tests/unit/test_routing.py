@@ -355,3 +355,20 @@ def test_each_rank_scores_the_samples_it_will_update():
     group.update(batch, 1.0, 2)
     for rank in range(4):
         assert seen[("old", rank)] == seen[("update", rank)] == [2 * rank, 2 * rank + 1, 8 + 2 * rank, 9 + 2 * rank]
+
+
+def test_vllm_is_asked_for_routes_on_an_moe_model(monkeypatch):
+    vllm = pytest.importorskip("vllm")
+    from gspo_ascend.engines import vllm_rollout
+
+    seen = {}
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.update(kwargs))
+    engine = vllm_rollout.VLLMRolloutEngine.__new__(vllm_rollout.VLLMRolloutEngine)
+    engine.cfg, engine.backend, engine.host_build, engine.external_launcher = engine_config(), CPU, False, False
+    engine.max_model_len, engine.route_dtype = 256, torch.uint8  # what _route_dtype says for an MoE on a device
+    vllm_rollout.VLLMRolloutEngine._build_llm.__wrapped__(engine, "unused")
+    assert seen["enable_return_routed_experts"] is True
+    seen.clear()
+    engine.route_dtype = None
+    vllm_rollout.VLLMRolloutEngine._build_llm.__wrapped__(engine, "unused")
+    assert "enable_return_routed_experts" not in seen

@@ -59,12 +59,18 @@ def moe_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
 
 @dataclass
 class Agreement:
-    """Per MoE layer: tokens compared and tokens whose own top-k set equals the target's (order ignored)."""
+    """Per MoE layer: tokens compared and tokens whose own top-k set equals the target's (order ignored). The counts
+    may be device tensors: they are summed where they are and read once, by :meth:`numbers` (no host sync per layer
+    and micro-batch in the forward)."""
 
-    matches: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
+    matches: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
 
-    def add(self, layer: int, matched: int, counted: int) -> None:
+    def numbers(self) -> list[float]:
+        """matches, then tokens, per layer, on the host."""
+        return [float(x) for x in self.matches + self.tokens]
+
+    def add(self, layer: int, matched, counted) -> None:
         while len(self.tokens) <= layer:
             self.matches.append(0)
             self.tokens.append(0)
@@ -77,7 +83,7 @@ class Agreement:
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """``<prefix>_mean`` (over layers) and ``<prefix>_min_layer``; nothing when no token was compared."""
-        shares = [m / t for m, t in zip(self.matches, self.tokens, strict=True) if t]
+        shares = [float(m) / float(t) for m, t in zip(self.matches, self.tokens, strict=True) if t]
         if not shares:
             return {}
         return {f"{prefix}_mean": sum(shares) / len(shares), f"{prefix}_min_layer": min(shares)}
@@ -141,7 +147,7 @@ def routed(
                 with torch.no_grad():
                     theirs = _rows(compare, layer, own)
                     given = theirs[:, 0] >= 0
-                    log.agreement.add(layer, int(_set_equal(own, theirs)[given].sum()), int(given.sum()))
+                    log.agreement.add(layer, (_set_equal(own, theirs) & given).sum(), given.sum())
             if replay is None:
                 return first, scores, own
             target = _rows(replay, layer, own)
@@ -256,7 +262,7 @@ class ReplayBook:
         local = []
         for book in books:
             book.add(self.layers - 1, 0, 0)  # every rank sends one value per layer
-            local += book.matches + book.tokens
+            local += book.numbers()
         summed = all_reduce(local).tolist()
         out: dict[str, float] = {}
         for i, name in enumerate(("rollout", "update")):

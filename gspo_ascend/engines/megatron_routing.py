@@ -177,11 +177,6 @@ def _gather_rows(own: torch.Tensor, positions: torch.Tensor, group) -> tuple[tor
     return torch.cat(rows).cpu(), torch.cat(where).cpu()
 
 
-def _same_set(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per row: the same expert set (order ignored)."""
-    return (a.sort(-1).values == b.sort(-1).values).all(-1)
-
-
 def sequence_group(sp: bool, tp: int, cp: int):
     """The process group whose ranks split one sequence's positions (None: this rank sees them all)."""
     from megatron.core import parallel_state as ps
@@ -242,11 +237,11 @@ class MegatronRouting:
             targets, given = self._compare
             if self._counts is None:
                 self._counts = torch.zeros(len(self.routers), 2, dtype=torch.long, device=own.device)
-            same = _same_set(own, targets[i]) & given
+            same = routing.same_set(own, targets[i]) & given
             self._counts[i, 0] += same.sum()
             self._counts[i, 1] += given.sum()
         if self._phase == "old":
-            self._own[i] = own.to(torch.uint8 if self.experts <= 256 else torch.int32)  # gloo gathers no int16
+            self._own[i] = own.to(routing.held_dtype(self.experts))
 
     def _set_action(self, router: torch.nn.Module, _args) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction as Action

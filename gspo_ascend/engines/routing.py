@@ -35,6 +35,12 @@ import torch
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
+def held_dtype(num_experts: int) -> torch.dtype:
+    """Expert ids while they wait on the device (a generate call's steps, a megatron micro-batch): one byte up to 256
+    experts, else int32 (gloo gathers no int16)."""
+    return torch.uint8 if num_experts <= 256 else torch.int32
+
+
 def route_dtype(num_experts: int) -> torch.dtype:
     """The smallest integer type for expert ids: one byte per (token, layer, k) up to 256 experts (Qwen3-30B-A3B has
     128), two beyond."""
@@ -108,7 +114,8 @@ def _rows(routes: torch.Tensor, layer: int, own: torch.Tensor) -> torch.Tensor:
     return routes[:, layer]
 
 
-def _set_equal(own: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def same_set(own: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row: the same expert set, order ignored."""
     return (own.sort(-1).values == target.sort(-1).values).all(-1)
 
 
@@ -142,12 +149,12 @@ def routed(
         def forward(hidden_states):
             first, scores, own = original(hidden_states)
             if record:  # one byte an expert while it waits (a generate call keeps every step's)
-                log.own[layer].append(own.detach().to(torch.uint8 if router.num_experts <= 256 else torch.int32))
+                log.own[layer].append(own.detach().to(held_dtype(router.num_experts)))
             if compare is not None:
                 with torch.no_grad():
                     theirs = _rows(compare, layer, own)
                     given = theirs[:, 0] >= 0
-                    log.agreement.add(layer, (_set_equal(own, theirs) & given).sum(), given.sum())
+                    log.agreement.add(layer, (same_set(own, theirs) & given).sum(), given.sum())
             if replay is None:
                 return first, scores, own
             target = _rows(replay, layer, own)

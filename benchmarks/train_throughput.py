@@ -28,6 +28,9 @@ What runs, in this one process (one rank, a world of 1: the engine makes its own
    between two device synchronizations (the device contract's ``synchronize``); the warm-up is timed the same way
    and reported apart (``first_update_s``: the first update of a fresh engine, allocator, kernels, optimizer state
    and per-shape costs together), never in the steady-state figures.
+5. On a device, one more update (not timed) under the runtime's sync debug mode: ``host_syncs_per_update``, how
+   often the host waited for the device, beside that update's ``host_syncs_micro_batches`` (it should not grow with
+   them: issue #43); null on the host.
 
 Engine differences that matter for the numbers:
 
@@ -368,6 +371,21 @@ def profile_update(engine, batch, backend) -> None:
     print(f"profile of one update (torch {torch.__version__}), by {sort}:\n{table}", file=sys.stderr, flush=True)
 
 
+def count_syncs(engine, batch, backend) -> dict[str, Any]:
+    """One more update (not timed) under the device runtime's sync debug mode: how often the host waited for the
+    device, against the update's micro-batches (issue #43: it should not grow with them). Nulls on the host, where
+    there is nothing to count (and no extra update is run)."""
+    if backend.torch_device_type == "cpu":
+        return {"host_syncs_per_update": None, "host_syncs_micro_batches": None, "host_syncs_first_messages": None}
+    with backend.counting_syncs() as seen:
+        metrics = engine.update(batch, TEMPERATURE)
+    return {
+        "host_syncs_per_update": None if seen is None else len(seen),
+        "host_syncs_micro_batches": int(metrics.get("actor/micro_batches", 0)),
+        "host_syncs_first_messages": None if seen is None else sorted(set(seen))[:5],
+    }
+
+
 def predicted_memory(cfg, model_dir: Path) -> tuple[int, dict[str, int]]:
     from gspo_ascend.doctor.modelspec import load_spec
     from gspo_ascend.doctor.planner import train_phase
@@ -393,6 +411,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     engine = build_engine(cfg, backend, model_dir)
     try:
         first, seconds, metrics = time_updates(engine, batches[: args.steps + 1], backend)
+        syncs = count_syncs(engine, batches[args.steps], backend)
         if args.profile:
             profile_update(engine, batches[-1], backend)
         on_device = backend.torch_device_type != "cpu"  # host RSS is not device memory (module docstring)
@@ -410,6 +429,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "peak": peak,
         "predicted": predicted,
         "predicted_parts": parts,
+        "syncs": syncs,
     }
 
 
@@ -468,6 +488,7 @@ def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "peak_memory_bytes": raw["peak"],
         "predicted_memory_bytes": raw["predicted"],
         "predicted_memory_parts": raw["predicted_parts"],
+        **raw["syncs"],
         "memory_ratio": ratio,
         "config_overrides": raw["overrides"],
         "last_step_metrics": raw["metrics"][-1],

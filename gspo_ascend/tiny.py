@@ -422,7 +422,7 @@ def supervised_pass(
         if packed:
             row, lengths = _packed(batch)
             row = {key: value.to(device) for key, value in row.items()}
-            with packed_attention.packed_forward():
+            with packed_attention.packed_forward(model):
                 loss = model(**row, use_cache=False, **packed_attention.forward_kwargs(model, lengths)).loss
         else:
             ids, mask, labels = (t.to(device) for t in _collate(batch, pad_id))

@@ -63,10 +63,15 @@ def count_tokens_and_seqs(response_mask: torch.Tensor) -> tuple[torch.Tensor, to
     return lengths.sum(), (lengths > 0).sum()
 
 
-def _denominator(local: torch.Tensor, global_count: Count, like: torch.Tensor) -> torch.Tensor:
-    """The normaliser: the global count when given, else the local one; at least 1 so 0/0 becomes 0."""
-    count = local if global_count is None else torch.as_tensor(global_count, device=like.device)
-    return count.to(like.dtype).clamp_min(1)
+def _denominator(local: torch.Tensor, global_count: Count, like: torch.Tensor) -> torch.Tensor | float:
+    """The normaliser: the global count when given, else the local one; at least 1 so 0/0 becomes 0. A global count
+    given as a number stays a number: made a tensor on the device, it would be a copy the host waits on in every
+    micro-batch (issue #43)."""
+    if global_count is None:
+        return local.to(like.dtype).clamp_min(1)
+    if isinstance(global_count, torch.Tensor):
+        return global_count.to(device=like.device, dtype=like.dtype).clamp_min(1)
+    return max(float(global_count), 1.0)
 
 
 def _required_global(agg_mode: str, global_tokens: Count, global_seqs: Count) -> None:

@@ -13,7 +13,9 @@ CPU box and with a broken torch_npu. With the CPU shim installed, "npu" is emula
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -108,6 +110,30 @@ class Backend:
         torch.backends.cuda.enable_cudnn_sdp(False)
         return True
 
+    @contextlib.contextmanager
+    def counting_syncs(self) -> Iterator[list[str] | None]:
+        """The host synchronisations the runtime reports in the body (each one's message, in a list filled when the
+        body ends), through its sync debug mode: ``torch.cuda`` / ``torch.npu.set_sync_debug_mode("warn")`` (torch_npu
+        2.7.1 and 2.10 have it: torch_npu/npu/utils.py) warns "called a synchronizing CUDA / NPU operation" at each.
+        None on the host and the emulated NPU: nothing to wait for there (tests/unit/test_host_syncs.py follows the
+        data instead). Both runtimes call it experimental: not every synchronising call warns."""
+        mod = self.module()
+        if mod is None or self.emulated or not hasattr(mod, "set_sync_debug_mode"):
+            yield None
+            return
+        import warnings
+
+        seen: list[str] = []
+        before = mod.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mod.set_sync_debug_mode("warn")
+            try:
+                yield seen
+            finally:
+                mod.set_sync_debug_mode(before)
+                seen += [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+
     def manual_seed(self, seed: int) -> None:
         import torch
 
@@ -151,6 +177,18 @@ NPU = Backend(
 # The emulated NPU: same vendor facts (env vars, Ray resource) so launch logic is exercised, but tensors on
 # the CPU and gloo underneath the "hccl" name.
 NPU_SHIM = replace(NPU, torch_device_type="cpu", comm_backend="gloo", emulated=True)
+
+
+def upload(tensor, device):
+    """A host tensor on ``device`` without waiting for the device: staged in pinned host memory and copied
+    ``non_blocking`` (torch's caching host allocator keeps the staging block until the copy has run). A plain
+    ``.to(device)`` or ``torch.tensor(..., device=device)`` from pageable memory is a copy followed by a stream
+    synchronisation on CUDA and NPU: the host then waits for every kernel queued before it, and cannot run ahead
+    to queue the next micro-batch (issue #43: ~11 such copies per micro-batch). On the host (CPU, the emulated NPU)
+    the tensor itself."""
+    if tensor.device == device or device.type == "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def shim_requested() -> bool:
@@ -207,4 +245,4 @@ def _npu() -> Backend:
     )
 
 
-__all__ = ["Backend", "CPU", "CUDA", "NPU", "NPU_SHIM", "VALID_NAMES", "get_backend", "shim_requested"]
+__all__ = ["Backend", "CPU", "CUDA", "NPU", "NPU_SHIM", "VALID_NAMES", "get_backend", "shim_requested", "upload"]

@@ -46,7 +46,7 @@ from gspo_ascend.engines import packed_attention, routing, ulysses
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.hf_load import load_causal_lm
-from gspo_ascend.engines.logprobs import forward_log_probs, token_layout
+from gspo_ascend.engines.logprobs import forward_log_probs, token_layout, uploaded
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
     MinibatchRecord,
@@ -318,10 +318,11 @@ class FSDPEngine:
         """This rank's shard, or with SP every group rank's shard in group order (the group trains on them all)."""
         return [batch] if self.sp is None else ulysses.group_shards(batch, self.sp)
 
-    def _log_probs(self, model: torch.nn.Module, batch: SampleBatch, temperature: float) -> torch.Tensor:
+    def _log_probs(self, model: torch.nn.Module, batch: SampleBatch, temperature: float, entropy: bool = False):
+        """[B, R] log-probs (with ``entropy``: and entropies, a pair), SP or not."""
         if self.sp is not None:
-            return ulysses.forward_log_probs(model, batch, temperature, self.sp, self.pad_id)
-        return forward_log_probs(model, batch, temperature, self.cfg.actor.use_remove_padding, self.pad_id)
+            return ulysses.forward_log_probs(model, batch, temperature, self.sp, self.pad_id, entropy)
+        return forward_log_probs(model, batch, temperature, self.cfg.actor.use_remove_padding, self.pad_id, entropy)
 
     # ------------------------------------------------------------------------------------------- contract
 
@@ -335,14 +336,18 @@ class FSDPEngine:
         out = torch.zeros(tuple(group.response_ids.shape), dtype=torch.float32)
         self.model.eval()
         if self.routes is not None:
-            self.routes.old_routes = {}  # this forward's routes replace the last batch's
+            self.routes.forget()  # this forward's routes replace the last batch's
+        done = []  # read back after the loop: a read per micro-batch would wait for each forward before the next
         with torch.no_grad(), self._resharding(self.model):
             for i in range(passes):
                 micro = micros[i] if i < len(micros) else None
                 with self._routing(micro, "old"):
                     lp = self._log_probs(self.model, micro or self._dummy_batch(), temperature)
                 if micro is not None:
-                    out[plan.groups[i]] = lp.float().cpu()
+                    done.append((plan.groups[i], lp.float()))
+        if done:  # micro-batches keep the batch's response width: one copy back for all of them
+            rows, lps = zip(*done, strict=True)
+            out[[r for group in rows for r in group]] = torch.cat(lps).cpu()
         return out[start : start + len(batch)]  # this rank's rows
 
     @on_device
@@ -390,7 +395,7 @@ class FSDPEngine:
                 (loss * self._loss_scale).backward()  # see __init__: undo FSDP's DP average
             if self.reports:
                 record.add(metrics)
-        record.skipped = bool(bad)
+        (record.skipped,) = record.settle(bad)  # the minibatch's one read of the device (metrics and all)
         return record
 
     @contextlib.contextmanager
@@ -427,7 +432,7 @@ class FSDPEngine:
             yield
         (book.rollout if phase == "old" else book.update).merge(log.agreement)
         if phase == "old":
-            book.remember(micro, routing.split(log.stacked(), starts, lengths, book.dtype))
+            book.remember_flat(micro, log.stacked(), starts, lengths)
 
     def _defer_reduction(self, last: bool) -> None:
         """With the layers kept gathered, gradients accumulate unsharded in fp32 (FSDP2 upcasts them to the reduce
@@ -438,18 +443,17 @@ class FSDPEngine:
             self.model.set_reshard_after_backward(last)
 
     def _micro_loss(self, micro: SampleBatch, temperature: float, global_tokens, global_seqs, norm_length):
-        d = self.device
         alg = self.cfg.algorithm
-        mask = micro.trained_mask.to(d)
-        log_prob = self._log_probs(self.model, micro, temperature)
+        mask, old_log_probs, advantages = uploaded(
+            self.device, micro.trained_mask, micro.old_log_probs, micro.advantages
+        )
+        log_prob, entropy = self._log_probs(self.model, micro, temperature, entropy=True)
         counts = {"global_tokens": global_tokens, "global_seqs": global_seqs, "norm_length": norm_length}
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref = self._log_probs(self.ref_model, micro, temperature)
-        return policy_objective(
-            self.policy_loss, alg, log_prob, micro.old_log_probs.to(d), micro.advantages.to(d), mask, counts, ref
-        )
+        return policy_objective(self.policy_loss, alg, log_prob, old_log_probs, advantages, mask, counts, ref, entropy)
 
     def _step(self, record: MinibatchRecord) -> None:
         """Clip + optimizer step + scheduler step, or, on a non-finite loss/grad norm on any rank, skip both."""

@@ -22,8 +22,9 @@ autograd does at its upcast. Tested against the plain path (float32 to 1e-6, for
 tests/unit/test_fused_logprob.py.
 
 How we differ from verl: verl's ``FusedLinearForPPO`` (verl/utils/experimental/torch_functional.py) is the same
-idea, computed outside the model's forward from the returned hidden states (it also returns the entropy; we log
-none, so we compute none); here the head runs inside the forward, so the FSDP2 unit owning ``lm_head`` needs no
+idea, computed outside the model's forward from the returned hidden states (both return the entropy, from the same
+chunk: ours as a metric, without gradient, as verl's default entropy_coeff 0 needs); here the head runs inside the
+forward, so the FSDP2 unit owning ``lm_head`` needs no
 special handling, and only the positions ``logits_to_keep`` selects reach it.
 """
 
@@ -42,11 +43,13 @@ CHUNK_ROWS = 1024
 
 class _LinearLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature: float, chunk: int):  # [..., H], [V, H], [...] -> [...]
+    def forward(ctx, hidden, weight, labels, temperature: float, chunk: int, entropy: bool):
+        # [..., H], [V, H], [...] -> ([...] log-probs, [...] entropies or an empty tensor)
         # the output is a fresh tensor of the labels' shape, not a view of a flat one: a model forward returning a
         # view draws FSDP2's in-place warning
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         out = hidden.new_empty(labels.shape, dtype=dtype)
+        ent = hidden.new_empty(labels.shape if entropy else (0,), dtype=dtype)
         flat_h, flat_y, flat_out = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), out.view(-1)
         lse = hidden.new_empty(flat_y.shape, dtype=dtype)
         for start in range(0, flat_h.shape[0], chunk):
@@ -54,12 +57,15 @@ class _LinearLogProb(torch.autograd.Function):
             x = _chunk_logits(flat_h[rows], weight, temperature, dtype)
             lse[rows] = torch.logsumexp(x, dim=-1)
             flat_out[rows] = x.gather(-1, flat_y[rows, None]).squeeze(-1) - lse[rows]
+            if entropy:  # H = lse - sum_v p_v x_v, from the chunk already in hand: no second pass over the head
+                ent.view(-1)[rows] = lse[rows] - (torch.exp(x - lse[rows, None]) * x).sum(-1)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy):  # the entropy is a metric: no gradient through it
         hidden, weight, labels, lse = ctx.saved_tensors
         t, dtype = ctx.temperature, lse.dtype
         flat_h, flat_y, flat_g = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), grad_out.reshape(-1)
@@ -91,7 +97,7 @@ class _LinearLogProb(torch.autograd.Function):
             grad_hidden = grad_hidden.view(hidden.shape)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype):
@@ -100,17 +106,24 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 
 
 def linear_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk: int = CHUNK_ROWS
-) -> torch.Tensor:
-    """log_softmax(hidden @ weight.T / T)[labels] in float32 (float64 for float64 inputs), chunked by rows.
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = CHUNK_ROWS,
+    entropy: bool = False,
+):
+    """log_softmax(hidden @ weight.T / T)[labels] in float32 (float64 for float64 inputs), chunked by rows; with
+    ``entropy`` also each row's entropy of softmax(hidden @ weight.T / T) (no gradient), as a pair.
 
-    # [..., H], [V, H], [...] -> [...]
+    # [..., H], [V, H], [...] -> [...] (or ([...], [...]))
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"labels {tuple(labels.shape)} for hidden states {tuple(hidden.shape)}")
-    return _LinearLogProb.apply(hidden, weight, labels, float(temperature), chunk)
+    out, ent = _LinearLogProb.apply(hidden, weight, labels, float(temperature), chunk, entropy)
+    return (out, ent) if entropy else out
 
 
 # families whose forward returns the LM head's output as ``logits`` unchanged (transformers' modeling files read):
@@ -128,15 +141,23 @@ def supported(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def log_prob_head(model: torch.nn.Module, labels: torch.Tensor, temperature: float) -> Iterator[list[torch.Tensor]]:
+def log_prob_head(
+    model: torch.nn.Module, labels: torch.Tensor, temperature: float, entropies: list[torch.Tensor] | None = None
+) -> Iterator[list[torch.Tensor]]:
     """Inside the body, the model's ``logits`` are the log-probs of ``labels`` (shaped like the kept positions:
     ``labels`` must have the shape of the LM head's input without its hidden dimension). One forward only. Yields
-    the list the head's outputs are appended to: the caller checks the model returned one of them unchanged."""
+    the list the head's outputs are appended to: the caller checks the model returned one of them unchanged. Given
+    ``entropies``, each output's entropies (same shape, no gradient) are appended to it."""
     head = model.get_output_embeddings()
     produced: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        produced.append(linear_log_probs(hidden, head.weight, labels, temperature))
+        if entropies is None:
+            produced.append(linear_log_probs(hidden, head.weight, labels, temperature))
+        else:
+            lp, ent = linear_log_probs(hidden, head.weight, labels, temperature, entropy=True)
+            produced.append(lp)
+            entropies.append(ent)
         return produced[-1]
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's

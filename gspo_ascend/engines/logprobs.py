@@ -29,6 +29,7 @@ import itertools
 
 import torch
 
+from gspo_ascend.device import upload
 from gspo_ascend.engines import fused_logprob, packed_attention
 from gspo_ascend.engines.base import SampleBatch
 
@@ -37,26 +38,33 @@ from gspo_ascend.engines.base import SampleBatch
 LOGSUMEXP_CHUNK = 1024
 
 
-def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / T) at ``labels``, in float32 (float64 stays float64, for exactness tests).
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, entropy: bool = False):
+    """log_softmax(logits / T) at ``labels``, in float32 (float64 stays float64, for exactness tests); with
+    ``entropy`` also the entropy of softmax(logits / T) at each position (no gradient), as a pair.
 
-    # [..., V], [...] -> [...]
+    # [..., V], [...] -> [...] (or ([...], [...]))
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     flat = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    out = []
+    out, ent = [], []
     for start in range(0, flat.shape[0], LOGSUMEXP_CHUNK):
         x = flat[start : start + LOGSUMEXP_CHUNK].to(dtype)  # upcast one chunk at a time (bf16 logits)
         if temperature != 1.0:
             x = x / temperature
         picked = x.gather(-1, flat_labels[start : start + LOGSUMEXP_CHUNK, None]).squeeze(-1)
-        out.append(picked - torch.logsumexp(x, dim=-1))  # log_softmax(x)[y] without the [N, V] matrix
+        lse = torch.logsumexp(x, dim=-1)
+        out.append(picked - lse)  # log_softmax(x)[y] without the [N, V] matrix
+        if entropy:
+            with torch.no_grad():
+                ent.append(lse - (torch.exp(x - lse[:, None]) * x).sum(-1))  # H = lse - sum_v p_v x_v
     if not out:
-        return flat.new_zeros(labels.shape, dtype=dtype)
-    return torch.cat(out).reshape(labels.shape)
+        zeros = flat.new_zeros(labels.shape, dtype=dtype)
+        return (zeros, zeros.clone()) if entropy else zeros
+    lp = torch.cat(out).reshape(labels.shape)
+    return (lp, torch.cat(ent).reshape(labels.shape)) if entropy else lp
 
 
 def response_lengths(batch: SampleBatch) -> list[int]:
@@ -80,8 +88,14 @@ def _scatter(lp: torch.Tensor, rows: list[int], cols: list[int], shape: tuple[in
     out = lp.new_zeros(shape)
     if not rows:  # keep the graph connected (the dummy position's value times 0): every rank must backward
         return out + 0.0 * lp.sum()
-    index = (torch.tensor(rows, device=lp.device), torch.tensor(cols, device=lp.device))
-    return out.index_put(index, lp)
+    return out.index_put(uploaded(lp.device, torch.tensor(rows), torch.tensor(cols)), lp)
+
+
+def uploaded(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Host-built index and input tensors on the model's device through the device layer's ``upload`` (staged, not
+    waited for): built with ``device=`` from Python lists, each would be a copy the host waits on, ~10 per
+    micro-batch (issue #43)."""
+    return tuple(upload(t, device) for t in tensors)
 
 
 class _Targets:
@@ -125,15 +139,21 @@ class _Kept:
 def _packed_inputs(model, prompts, responses, device) -> _Kept:
     """One row holding every sequence; position_ids restart per sequence -> block-diagonal causal mask."""
     ids, pos, targets = packed_row(prompts, responses)
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    lengths = [len(p) + n for p, n in zip(prompts, map(len, responses), strict=True)]
+    input_ids, position_ids, keep, labels = uploaded(
+        device,
+        torch.tensor([ids]),
+        torch.tensor([pos]),
+        torch.tensor(targets.keep or [0]),
+        torch.tensor([targets.labels or [0]]),  # [1, kept]
+    )
     inputs = {
-        "input_ids": torch.tensor([ids], device=device),
-        "position_ids": torch.tensor([pos], device=device),
+        "input_ids": input_ids,
+        "position_ids": position_ids,
         "use_cache": False,  # a cache (or a 2-D mask) would switch off transformers' packed-sequence mask
-        "logits_to_keep": torch.tensor(targets.keep or [0], device=device),
-        **packed_attention.forward_kwargs(model, lengths),  # per-sequence attention where enabled
+        "logits_to_keep": keep,
+        **packed_attention.forward_kwargs(model, lengths),  # the boundaries, on the host (read as lists)
     }
-    labels = torch.tensor([targets.labels or [0]], device=device)  # [1, kept]
     return _Kept(inputs, labels, lambda out: out[0], targets)
 
 
@@ -153,17 +173,18 @@ def _padded_inputs(model, prompts, responses, device, pad_id: int) -> _Kept:
         targets.add(i, len(prompt) - 1 - lo, resp)  # index inside the kept window
     labels = torch.zeros((b, hi - lo), dtype=torch.long)  # window positions that predict nothing: label 0, unread
     labels[targets.rows, targets.keep] = torch.tensor(targets.labels, dtype=torch.long)
+    rows, keep = torch.tensor(targets.rows or [0]), torch.tensor(targets.keep or [0])
+    input_ids, attention, labels, rows, keep = uploaded(device, input_ids, attention, labels, rows, keep)
     inputs = {
-        "input_ids": input_ids.to(device),
-        "attention_mask": attention.to(device),
+        "input_ids": input_ids,
+        "attention_mask": attention,
         "position_ids": torch.arange(width, device=device).expand(b, width),
         "use_cache": False,
         "logits_to_keep": torch.arange(lo, hi, device=device),
     }
     if not targets.rows:
-        return _Kept(inputs, labels.to(device), lambda out: out[0, :1], targets)
-    index = (torch.tensor(targets.rows, device=device), torch.tensor(targets.keep, device=device))
-    return _Kept(inputs, labels.to(device), lambda out: out[index], targets)
+        return _Kept(inputs, labels, lambda out: out[0, :1], targets)
+    return _Kept(inputs, labels, lambda out: out[rows, keep], targets)
 
 
 def token_layout(batch: SampleBatch, packed: bool) -> tuple[list[int], list[int], int]:
@@ -177,10 +198,16 @@ def token_layout(batch: SampleBatch, packed: bool) -> tuple[list[int], list[int]
 
 
 def forward_log_probs(
-    model: torch.nn.Module, batch: SampleBatch, temperature: float, packed: bool, pad_id: int = 0
-) -> torch.Tensor:
+    model: torch.nn.Module,
+    batch: SampleBatch,
+    temperature: float,
+    packed: bool,
+    pad_id: int = 0,
+    entropy: bool = False,
+):
     """[B, R] float32 (float64 for a float64 model) log-probs of ``batch.response_ids`` (0 at padding), on
-    the model's device.
+    the model's device; with ``entropy`` also the [B, R] entropies of the same softmax (0 at padding, no gradient),
+    as a pair.
 
     Where the model's head allows (engines/fused_logprob.py), the LM head itself returns the log-probs, chunked,
     never the [N, V] logits; otherwise the logits at the kept positions go through :func:`token_log_probs`.
@@ -194,22 +221,31 @@ def forward_log_probs(
         kept = _packed_inputs(model, batch.prompt_ids, responses, device)
     else:
         kept = _padded_inputs(model, batch.prompt_ids, responses, device, pad_id)
-    with packed_attention.packed_forward() if packed else contextlib.nullcontext():
-        lp = head_log_probs(model, kept.inputs, kept.labels, temperature, kept.pick)
-    return _scatter(lp, kept.targets.rows, kept.targets.cols, tuple(batch.response_ids.shape))
+    with packed_attention.packed_forward(model) if packed else contextlib.nullcontext():
+        picked = head_log_probs(model, kept.inputs, kept.labels, temperature, kept.pick, entropy)
+    shape = tuple(batch.response_ids.shape)
+    if not entropy:
+        return _scatter(picked, kept.targets.rows, kept.targets.cols, shape)
+    lp, ent = picked
+    return _scatter(lp, kept.targets.rows, kept.targets.cols, shape), _scatter(
+        ent, kept.targets.rows, kept.targets.cols, shape
+    )
 
 
-def head_log_probs(model, inputs: dict, labels: torch.Tensor, temperature: float, pick) -> torch.Tensor:
+def head_log_probs(model, inputs: dict, labels: torch.Tensor, temperature: float, pick, entropy: bool = False):
     """One forward of ``model(**inputs)`` -> the log-probs of ``labels`` (shaped like the positions the LM head runs
-    on), picked by ``pick``: from the LM head's input where the head allows (engines/fused_logprob.py), else from
-    the logits (also the Ulysses path's, engines/ulysses.py)."""
+    on), picked by ``pick``, and with ``entropy`` their entropies (a pair): from the LM head's input where the head
+    allows (engines/fused_logprob.py), else from the logits (also the Ulysses path's, engines/ulysses.py)."""
     if fused_logprob.supported(model):
-        with fused_logprob.log_prob_head(model, labels, temperature) as produced:
+        entropies: list[torch.Tensor] | None = [] if entropy else None
+        with fused_logprob.log_prob_head(model, labels, temperature, entropies) as produced:
             logits = model(**inputs).logits
         if not any(logits is out for out in produced):  # a family that transforms its head's output after all
             raise RuntimeError(
                 f"{type(model).__name__} changed its LM head's output before returning it: remove "
                 f"'{model.config.model_type}' from engines/fused_logprob.py MODEL_TYPES"
             )
-        return pick(logits)
-    return token_log_probs(pick(model(**inputs).logits), pick(labels), temperature)
+        if entropies is None:
+            return pick(logits)
+        return pick(logits), pick(entropies[[id(out) for out in produced].index(id(logits))])
+    return token_log_probs(pick(model(**inputs).logits), pick(labels), temperature, entropy)

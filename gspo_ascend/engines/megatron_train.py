@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gspo_ascend.algorithms import count_tokens_and_seqs
 from gspo_ascend.engines import megatron_cp as cp_support
 from gspo_ascend.engines.base import SampleBatch
-from gspo_ascend.engines.logprobs import response_lengths
+from gspo_ascend.engines.logprobs import response_lengths, uploaded
 from gspo_ascend.engines.megatron_compat import uses_decoupled_grads
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
@@ -63,17 +63,16 @@ def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, device, index: 
         cols += range(n)
         labels += seq[len(prompt) :]
 
-    def t(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
-
+    host = (torch.tensor(values, dtype=torch.long) for values in (rows, positions, cols, labels))
+    tokens, rows_t, positions_t, cols_t, labels_t = uploaded(device, tokens, *host)
     b, r = batch.response_ids.shape
     return _Micro(
-        tokens=tokens.to(device),
+        tokens=tokens,
         position_ids=torch.arange(width, device=device).expand(len(seqs), width),
-        rows=t(rows),
-        positions=t(positions),
-        cols=t(cols),
-        labels=t(labels),
+        rows=rows_t,
+        positions=positions_t,
+        cols=cols_t,
+        labels=labels_t,
         shape=(b, r),
         sample=batch if index is not None else None,
         index=index,
@@ -97,6 +96,30 @@ def vocab_parallel_log_probs(logits: torch.Tensor, micro: _Micro, temperature: f
         picked = picked / temperature
     lp = -vocab_parallel_cross_entropy(picked, micro.labels)  # [N]
     return lp.new_zeros(micro.shape).index_put((micro.rows, micro.cols), lp)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, micro: _Micro, temperature: float) -> torch.Tensor:
+    """[b, R] float32 entropy of ``softmax(logits / T)`` at the response positions (0 at padding), no gradient, from
+    TP-sharded logits [b, S, V/TP]: H = lse - sum_v p_v x_v, with the max and the two sums all-reduced over the TP
+    group (two collectives: every TP rank must call this for the same micro-batches)."""
+    from megatron.core import parallel_state
+
+    with torch.no_grad():
+        if micro.rows.numel() == 0:
+            return logits.new_zeros(micro.shape, dtype=torch.float32)
+        x = logits[micro.rows, micro.positions].float()  # [N, V/TP]
+        if temperature != 1.0:
+            x = x / temperature
+        group = parallel_state.get_tensor_model_parallel_group()
+        top = x.amax(-1)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(x - top[:, None])
+        sums = torch.stack([e.sum(-1), (e * x).sum(-1)])  # [2, N]: sum exp, sum exp * x
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(sums, group=group)
+        entropy = sums[0].log() + top - sums[1] / sums[0]
+        return entropy.new_zeros(micro.shape).index_put((micro.rows, micro.cols), entropy)
 
 
 # ----------------------------------------------------------------------------------------------- the engine's part
@@ -130,7 +153,7 @@ class MegatronTrainStep:
         micros = []
         for part, index in zip(parts, plan.groups, strict=True):
             micro = _build_micro(part, self.pad_id, self.seq_multiple, self.device, index)
-            micro.ref_log_probs = None if ref is None else ref[index].to(self.device)
+            micro.ref_log_probs = None if ref is None else uploaded(self.device, ref[index])[0]
             micros.append(micro)
         dummy = _dummy_batch(self.pad_id)  # every pass is a collective (TP, PP, EP): ranks run the same count
         micros += [_build_micro(dummy, self.pad_id, 1, self.device, None) for _ in range(passes - len(parts))]
@@ -174,17 +197,20 @@ class MegatronTrainStep:
     def _forward_only(self, models, batch: SampleBatch, temperature: float, phase: str | None = None) -> torch.Tensor:
         """[B, R] float32 host log-probs of the whole (group) batch, on every rank of the pipeline."""
         out = torch.zeros(tuple(batch.response_ids.shape), dtype=torch.float32)
+        done = []  # read back after the schedule: a read per micro-batch would wait for each forward before the next
 
         def loss_fn(micro: _Micro, logits: torch.Tensor):
             lp = cp_support.sum_over_cp(vocab_parallel_log_probs(logits, micro, temperature), self.cp_group)
             if micro.index is not None:
-                out[micro.index] = lp.float().cpu()
+                done.append((micro.index, lp.float()))
             return lp.sum() * 0.0, {}
 
         for model in models:
             model.eval()
         with torch.no_grad():
             self._schedule(models, self._micros(batch), True, loss_fn, phase)
+        for index, lp in done:
+            out[index] = lp.cpu()
         if self.pp > 1:  # only the last stage computed them
             moved = out.to(self.device)
             dist.broadcast(moved, src=dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
@@ -198,7 +224,7 @@ class MegatronTrainStep:
         """[B, R] float32 on the host, no grad, for this rank's rows."""
         shards = self._group_shards(batch)
         if self.routes is not None:
-            self.routes.old_routes = {}  # this forward's routes replace the last batch's
+            self.routes.forget()  # this forward's routes replace the last batch's
         full = self._forward_only(self.models, SampleBatch.concat(shards), temperature, "old")
         start = sum(len(s) for s in shards[: self.mp_rank])
         return full[start : start + len(batch)]
@@ -245,7 +271,8 @@ class MegatronTrainStep:
             lp = cp_support.sum_over_cp(vocab_parallel_log_probs(logits, micro, temperature), self.cp_group)
             if micro.sample is None:
                 return lp.sum() * 0.0, {}
-            loss, metrics = self._micro_loss(lp, micro, counts)
+            entropy = cp_support.sum_over_cp(vocab_parallel_entropy(logits, micro, temperature), self.cp_group)
+            loss, metrics = self._micro_loss(lp, micro, counts, entropy)
             bad = bad | ~torch.isfinite(loss.detach())
             if self.reports:
                 record.add(metrics)
@@ -256,22 +283,16 @@ class MegatronTrainStep:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._schedule(self.models, micros, False, loss_fn, "update")
-        record.skipped = bool(bad)
+        (record.skipped,) = record.settle(bad)  # the minibatch's one read of the device (metrics and all)
         return record
 
-    def _micro_loss(self, log_prob: torch.Tensor, micro: _Micro, counts: dict[str, Any]):
-        d, alg, sample = self.device, self.cfg.algorithm, micro.sample
-        mask = sample.trained_mask.to(d)
-        return policy_objective(
-            self.policy_loss,
-            alg,
-            log_prob,
-            sample.old_log_probs.to(d),
-            sample.advantages.to(d),
-            mask,
-            counts,
-            micro.ref_log_probs,
+    def _micro_loss(self, log_prob: torch.Tensor, micro: _Micro, counts: dict[str, Any], entropy: torch.Tensor):
+        sample = micro.sample
+        mask, old_log_probs, advantages = uploaded(
+            self.device, sample.trained_mask, sample.old_log_probs, sample.advantages
         )
+        alg, ref = self.cfg.algorithm, micro.ref_log_probs
+        return policy_objective(self.policy_loss, alg, log_prob, old_log_probs, advantages, mask, counts, ref, entropy)
 
     def _step(self, record: MinibatchRecord) -> None:
         """Clip + optimizer step, or, on a non-finite loss (any rank) or grad norm, skip it and the warm-up step.

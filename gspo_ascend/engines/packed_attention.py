@@ -208,14 +208,26 @@ def is_enabled(model: torch.nn.Module) -> bool:
     return str(getattr(model.config, "_attn_implementation", "")).startswith(PREFIX)
 
 
-def forward_kwargs(model: torch.nn.Module, lengths: list[int]) -> dict[str, Any]:
-    """Keywords of a packed forward of sequences of ``lengths`` tokens (in row order) for a model :func:`enable`
-    routed: the boundaries (run the forward inside :func:`packed_forward`, so transformers builds no [N, N] mask).
-    {} otherwise (the model then derives the block-diagonal mask from the restarting positions, as before).
+# implementations outside this module that run a packed row from host boundaries given as transformers' varlen
+# keywords: the NPU patches' npu_fusion_attention TND takes them as host lists (patches/npu_attention.py); without
+# them it derives them from the device's position_ids, a host read in every forward
+HOST_BOUNDARIES = ("npu_fusion",)
 
-    The boundaries stay on the host whatever the model's device: only :func:`attention_forward` reads them, as a
-    list, in every layer; on a device that read would wait for the device each time."""
-    if not is_enabled(model):
+
+def takes_boundaries(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention runs a packed row from :func:`forward_kwargs`' boundaries."""
+    return is_enabled(model) or getattr(model.config, "_attn_implementation", None) in HOST_BOUNDARIES
+
+
+def forward_kwargs(model: torch.nn.Module, lengths: list[int]) -> dict[str, Any]:
+    """Keywords of a packed forward of sequences of ``lengths`` tokens (in row order) for a model whose attention
+    takes the boundaries (:func:`enable` routed it, or it is in ``HOST_BOUNDARIES``); run the forward inside
+    :func:`packed_forward` (with the model), so transformers builds no [N, N] mask. {} otherwise (the model then
+    derives the block-diagonal mask from the restarting positions, as before).
+
+    The boundaries stay on the host whatever the model's device: only the attention reads them, as a list, in every
+    layer; on a device that read would wait for the device each time."""
+    if not takes_boundaries(model):
         return {}
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     longest = max(lengths, default=0)
@@ -223,10 +235,35 @@ def forward_kwargs(model: torch.nn.Module, lengths: list[int]) -> dict[str, Any]
 
 
 @contextlib.contextmanager
-def packed_forward() -> Iterator[None]:
-    """The body's model forwards are packed ones (:func:`forward_kwargs`): no attention mask is built."""
+def packed_forward(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """The body's model forwards are packed ones (:func:`forward_kwargs`): no attention mask is built. Given a
+    ``model`` whose attention takes the boundaries, transformers also skips deriving the sequences from the
+    positions (``find_packed_sequence_indices``: a host read of the device in every forward, for a mask nothing
+    reads); a model without them still gets that mask, as transformers builds it."""
     token = _PACKED.set(True)
+    known = _KNOWN_BOUNDARIES.set(model is not None and takes_boundaries(model))
+    _skip_sequence_detection()
     try:
         yield
     finally:
+        _KNOWN_BOUNDARIES.reset(known)
         _PACKED.reset(token)
+
+
+_KNOWN_BOUNDARIES = contextvars.ContextVar("gspo_known_boundaries", default=False)
+
+
+@functools.cache
+def _skip_sequence_detection() -> None:
+    """Wrap transformers' ``masking_utils.find_packed_sequence_indices`` (once) to return None (no packed sequences
+    found) inside :func:`packed_forward` of a model that takes the boundaries; it ends in ``(...).all()`` on the
+    device, read by the host. Its result only feeds the mask builder, which builds nothing there."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if _KNOWN_BOUNDARIES.get() else original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gspo_ascend.device import upload
+
 # families whose router is a transformers TopKRouter computing softmax -> top-k -> (re-normalise): checked in
 # tests/test_routing.py against the installed transformers' source
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -191,7 +193,7 @@ def flatten(
         if r.shape[0] > n or tuple(r.shape[1:]) != (layers, k):
             raise ValueError(f"routes of shape {tuple(r.shape)} for a sample of {n} tokens, {layers} x {k} routes")
         flat[start : start + r.shape[0]] = r.long()
-    return flat.to(device)
+    return upload(flat, device)
 
 
 def split(flat: torch.Tensor, starts: Sequence[int], lengths: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -235,8 +237,22 @@ class ReplayBook:
     def __init__(self, mode: str, layers: int, k: int, num_experts: int) -> None:
         self.mode, self.layers, self.k = mode, layers, k
         self.dtype = route_dtype(num_experts)
-        self.old_routes: dict = {}
+        self._old_routes: dict = {}
+        self._unread: list = []  # old forwards' routes still on the device (:meth:`remember_flat`)
         self.rollout, self.update = Agreement(), Agreement()
+
+    def forget(self) -> None:
+        """Drop the last old forward's routes: the next one replaces them."""
+        self._old_routes, self._unread = {}, []
+
+    @property
+    def old_routes(self) -> dict:
+        """The last old forward's routes by sample (:func:`sample_key`), on the host; read from the device here, once
+        per micro-batch the forward left (:meth:`remember_flat`)."""
+        for keys, flat, starts, lengths in self._unread:
+            self._old_routes.update(zip(keys, split(flat, starts, lengths, self.dtype), strict=True))
+        self._unread = []
+        return self._old_routes
 
     def targets(self, batch, phase: str) -> tuple[list | None, list | None]:
         """(replay, compare) per-sample routes for a forward of ``phase`` over ``batch``."""
@@ -258,6 +274,12 @@ class ReplayBook:
                 "(the workers score each rank's update shard: workers.WorkerGroup.compute_log_probs)"
             )
         return found if found and all(r is not None for r in found) else None
+
+    def remember_flat(self, batch, flat: torch.Tensor, starts, lengths) -> None:
+        """:meth:`remember` for routes as the forward left them (:func:`flatten`'s layout, on the device), read back
+        when the update first asks for them: read per micro-batch, each old-log-prob forward would wait for the one
+        before it (issue #43)."""
+        self._unread.append((sample_keys(batch), flat, starts, lengths))
 
     def remember(self, batch, routes: list[torch.Tensor]) -> None:
         self.old_routes.update(zip(sample_keys(batch), routes, strict=True))

@@ -76,9 +76,30 @@ class MinibatchRecord:
     grad_norm: float = math.nan
     lr: float = math.nan
 
+    pending: list[tuple[list[str], torch.Tensor]] = field(default_factory=list)
+
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        keys = list(metrics)  # one device->host copy for all of them, not one sync per metric
-        values = dict(zip(keys, torch.stack([metrics[k].double() for k in keys]).tolist(), strict=True))
+        """Keep one micro-batch's metrics on the device; :meth:`settle` reads every micro-batch's in one copy. Read
+        here, each micro-batch would wait for its own backward before the host could queue the next (issue #43)."""
+        keys = list(metrics)
+        if keys:
+            self.pending.append((keys, torch.stack([metrics[k].detach().double() for k in keys])))
+        else:
+            self.sums["micro"] = self.sums.get("micro", 0.0) + 1.0
+
+    def settle(self, *flags: torch.Tensor) -> list[bool]:
+        """Fold the micro-batches' metrics into the weighted sums with one device->host copy, which also brings
+        back ``flags`` (0-d bool tensors, e.g. "a loss was not finite") as bools."""
+        parts = [values for _, values in self.pending] + [f.reshape(1).double() for f in flags]
+        host = torch.cat(parts).tolist() if parts else []
+        offset = 0
+        for keys, _ in self.pending:
+            self._fold(dict(zip(keys, host[offset : offset + len(keys)], strict=True)))
+            offset += len(keys)
+        self.pending = []
+        return [value != 0 for value in host[offset:]]
+
+    def _fold(self, values: dict[str, float]) -> None:
         self.sums["micro"] = self.sums.get("micro", 0.0) + 1.0
         for key, value in values.items():
             kind = metric_kind(key)
@@ -132,9 +153,13 @@ def engine_policy_loss(cfg, backend: Backend):
     return maybe_compile(loss, backend, cfg.trainer.compile, compile_kwargs={"dynamic": True})
 
 
-def policy_objective(policy_loss, alg, log_prob, old_log_prob, advantages, mask, counts, ref_log_prob=None):
+def policy_objective(
+    policy_loss, alg, log_prob, old_log_prob, advantages, mask, counts, ref_log_prob=None, entropy=None
+):
     """The clipped policy loss of one micro-batch (globally normalised through ``counts``), plus
-    ``alg.kl_coef`` x the aggregated KL to the reference policy when ``ref_log_prob`` is given."""
+    ``alg.kl_coef`` x the aggregated KL to the reference policy when ``ref_log_prob`` is given. ``entropy`` ([B, R],
+    the policy's per-token entropy, no gradient) becomes the ``entropy_token`` metric: a token mean, like verl's
+    ``actor/entropy`` under token-mean aggregation (and whatever ``loss_agg_mode``: a metric, not a loss term)."""
     from gspo_ascend.algorithms import agg_loss, kl_penalty
 
     loss, metrics = policy_loss(
@@ -152,6 +177,10 @@ def policy_objective(policy_loss, alg, log_prob, old_log_prob, advantages, mask,
         kl = agg_loss(kl_penalty(alg.kl_estimator, log_prob, ref_log_prob, mask), mask, alg.loss_agg_mode, **counts)
         loss = loss + alg.kl_coef * kl
         metrics = {**metrics, "kl_ref": kl.detach()}
+    if entropy is not None:
+        trained = mask.bool()
+        tokens = trained.sum().clamp_min(1).to(entropy.dtype)
+        metrics = {**metrics, "entropy_token": torch.where(trained, entropy, 0.0).sum() / tokens}
     return loss, metrics
 
 
@@ -166,6 +195,8 @@ def update_metrics(records: list[MinibatchRecord], device, current_lr: float) ->
     """An update's metrics: per-minibatch global values (every rank's weighted sums, min/max over ranks), then
     the mean over the minibatches that stepped (over all of them when none did). Ranks that report no loss
     metrics (megatron's non-last pipeline stages) contribute zeros / +-inf."""
+    for record in records:
+        record.settle()  # the engines settle after each minibatch's loop; a record built elsewhere may not be
     local = tuple(sorted({k for r in records for k in getattr(r, book)}) for book in ("sums", "mins", "maxs"))
     keys = [local] * dist.get_world_size()
     if len(keys) > 1:  # a rank may hold keys another lacks

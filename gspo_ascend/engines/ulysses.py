@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from gspo_ascend.engines import packed_attention
 from gspo_ascend.engines.base import SampleBatch
-from gspo_ascend.engines.logprobs import _scatter, head_log_probs, packed_row, response_lengths
+from gspo_ascend.engines.logprobs import _scatter, head_log_probs, packed_row, response_lengths, uploaded
 from gspo_ascend.engines.megatron_cp import sum_over_cp
 
 KEY = "actor.ulysses_sequence_parallel_size"
@@ -233,11 +233,12 @@ def _slice(length: int, sp: SPGroup) -> tuple[int, int, int]:
 
 
 def forward_log_probs(
-    model: torch.nn.Module, batch: SampleBatch, temperature: float, sp: SPGroup, pad_id: int = 0
-) -> torch.Tensor:
+    model: torch.nn.Module, batch: SampleBatch, temperature: float, sp: SPGroup, pad_id: int = 0, entropy: bool = False
+):
     """[B, R] log-probs of ``batch.response_ids`` (0 at padding), the same on every rank of the group, computed as
     described in the module docstring; one forward per call, connected to the graph even when this rank's slice
-    predicts no response token (every rank of the group must run every backward: the all-to-alls are collectives)."""
+    predicts no response token (every rank of the group must run every backward: the all-to-alls are collectives).
+    With ``entropy`` also the [B, R] entropies (no gradient), as a pair (logprobs.forward_log_probs)."""
     lengths = response_lengths(batch)
     responses = [row[:n] for row, n in zip(batch.response_ids.tolist(), lengths, strict=True)]
     ids, pos, targets = packed_row(batch.prompt_ids, responses)
@@ -248,18 +249,28 @@ def forward_log_probs(
     mine = [j for j, k in enumerate(targets.keep) if first <= k < end]
     device = next(model.parameters()).device
     cu_seq_lens = torch.tensor([0, *ends], dtype=torch.int32)  # on the host: read as a list in every layer
-    row = SPRow(sp.group, sp.size, torch.tensor([pos], device=device), cu_seq_lens)
+    row_pos, input_ids, position_ids, keep, labels = uploaded(
+        device,
+        torch.tensor([pos]),
+        torch.tensor([ids[first:end]]),
+        torch.tensor([pos[first:end]]),
+        torch.tensor([targets.keep[j] - first for j in mine] or [0]),
+        torch.tensor([[targets.labels[j] for j in mine] or [0]]),  # [1, kept]
+    )
+    row = SPRow(sp.group, sp.size, row_pos, cu_seq_lens)
     layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     inputs = {
-        "input_ids": torch.tensor([ids[first:end]], device=device),
-        "position_ids": torch.tensor([pos[first:end]], device=device),
+        "input_ids": input_ids,
+        "position_ids": position_ids,
         "attention_mask": dict.fromkeys(layer_types),  # a ready mask mapping: the model builds no mask for the slice
         "use_cache": False,
-        "logits_to_keep": torch.tensor([targets.keep[j] - first for j in mine] or [0], device=device),
+        "logits_to_keep": keep,
         "ulysses": row,
     }
-    labels = torch.tensor([[targets.labels[j] for j in mine] or [0]], device=device)  # [1, kept]
-    lp = head_log_probs(model, inputs, labels, temperature, lambda out: out[0])
+    picked = head_log_probs(model, inputs, labels, temperature, lambda out: out[0], entropy)
     rows, cols = [targets.rows[j] for j in mine], [targets.cols[j] for j in mine]
-    local = _scatter(lp, rows, cols, tuple(batch.response_ids.shape))
-    return sum_over_cp(local, sp.group)  # the megatron engine's CP sum: all-reduce, identity backward
+    shape = tuple(batch.response_ids.shape)
+    # the megatron engine's CP sum: all-reduce, identity backward
+    if not entropy:
+        return sum_over_cp(_scatter(picked, rows, cols, shape), sp.group)
+    return tuple(sum_over_cp(_scatter(t, rows, cols, shape), sp.group) for t in picked)

@@ -156,3 +156,24 @@ def test_cudnn_attention_plans_are_switched_off_on_cuda_only(monkeypatch):
     assert calls == []
     assert CUDA.avoid_per_shape_attention_plans()
     assert calls == [False]
+
+
+def test_the_update_logs_the_policys_token_mean_entropy(model_path):
+    """``actor/entropy_token``: the token mean of the policy's entropy over the trained tokens, from the update's own
+    forwards (before its one optimizer step), over several micro-batches; expected from full logits per sample."""
+    from transformers import AutoModelForCausalLM
+
+    batch = _batch(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i, prompt in enumerate(batch.prompt_ids):
+            n = int(batch.trained_mask[i].sum())
+            seq = torch.tensor([prompt + batch.response_ids[i, :n].tolist()])
+            logp = torch.log_softmax(model(input_ids=seq).logits[0, len(prompt) - 1 : len(prompt) - 1 + n], -1)
+            total += float(-(logp.exp() * logp).sum())
+            tokens += n
+    engine = _engine(model_path, "on")
+    metrics = engine.update(batch, 1.0)
+    assert metrics["actor/micro_batches"] > 1
+    assert metrics["actor/entropy_token"] == pytest.approx(total / tokens, rel=1e-5)

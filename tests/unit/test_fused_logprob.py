@@ -160,3 +160,42 @@ def test_an_empty_batch_still_runs_one_connected_forward(model_path):
     lp = forward_log_probs(model, batch, 1.0, packed=True)
     assert torch.equal(lp, torch.zeros_like(lp)) and lp.requires_grad
     lp.sum().backward()  # every FSDP rank must take part in the backward, even with nothing to train
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """-sum p log p from full float64 logits: the expected value, computed the textbook way."""
+    logp = torch.log_softmax(logits.double(), -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [4, 2048])
+def test_entropy_from_the_same_chunks_is_the_softmax_entropy_and_changes_no_gradient(chunk):
+    hidden, weight, labels, upstream = _inputs(torch.float64)
+    plain = linear_log_probs(hidden, weight, labels, 0.7, chunk=chunk)
+    want = torch.autograd.grad((plain * upstream).sum(), (hidden, weight))
+    got, entropy = linear_log_probs(hidden, weight, labels, 0.7, chunk=chunk, entropy=True)
+    assert torch.equal(got, plain)
+    assert (entropy - _entropy(hidden.detach() @ weight.detach().t() / 0.7)).abs().max() < 1e-12
+    assert not entropy.requires_grad  # a metric
+    grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    assert all(torch.equal(g, w) for g, w in zip(grads, want, strict=True))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_forward_entropy_fused_and_plain_equal_full_logits(model_path, packed, monkeypatch):
+    batch = make_batch(6, 6, seed=4, min_response=1)
+    model = _plain_model(model_path, torch.float64)
+    expected = torch.zeros(batch.response_ids.shape, dtype=torch.float64)
+    with torch.no_grad():
+        for i, prompt in enumerate(batch.prompt_ids):
+            n = int(batch.response_mask[i].sum())
+            seq = torch.tensor([prompt + batch.response_ids[i, :n].tolist()])
+            logits = model(input_ids=seq, use_cache=False).logits[0, len(prompt) - 1 : len(prompt) - 1 + n]
+            expected[i, :n] = _entropy(logits / 0.8)
+    fused_lp, fused = forward_log_probs(model, batch, 0.8, packed=packed, entropy=True)
+    assert torch.equal(fused_lp, forward_log_probs(model, batch, 0.8, packed=packed))
+    monkeypatch.setattr(fused_logprob, "supported", lambda m: False)
+    _, plain = forward_log_probs(model, batch, 0.8, packed=packed, entropy=True)
+    for got in (fused, plain):
+        assert (got - expected).abs().max() < 1e-10
+    assert expected.max() > 1.0  # a real spread over the vocabulary, not a vacuous 0

@@ -98,3 +98,26 @@ def test_a_family_without_patches_is_said_in_one_line(npu_shim, capsys):
     hf_load.apply_patches(model, NPU_SHIM)
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines == ["NPU patches: model type 'llama' has none (covered: qwen2, qwen3, qwen3_moe); plain ops"]
+
+
+def test_packed_npu_fusion_takes_the_host_boundaries(npu_shim, model_path, monkeypatch):
+    """Issue #43 (NPU): a packed forward gives npu_fusion_attention's TND layout the sequence boundaries from the host
+    (transformers' varlen keywords); before, it derived them from the device's position_ids in every forward
+    (``nonzero().tolist()``, a host sync on the NPU). Same log-probs either way."""
+    import gspo_ascend.patches.npu_attention as npu_attention
+
+    from gspo_ascend.engines import packed_attention
+
+    batch = make_batch(6, 6, seed=9, min_response=1)
+    engine = fsdp_engine(model_path)
+    calls = []
+    real = npu_attention._packed_ends
+    monkeypatch.setattr(npu_attention, "_packed_ends", lambda *a: calls.append(1) or real(*a))
+    with monkeypatch.context() as m:
+        m.setattr(packed_attention, "HOST_BOUNDARIES", (), raising=False)  # as before: no boundaries given
+        derived = engine.compute_log_probs(batch, 0.7)
+    assert calls  # derived from the positions
+    calls.clear()
+    got = engine.compute_log_probs(batch, 0.7)
+    assert calls == []  # given: nothing derived on the device
+    assert torch.equal(got, derived)

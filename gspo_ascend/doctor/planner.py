@@ -181,9 +181,10 @@ def _optimizer_bytes_per_param(cfg) -> int:
     return 12 if ELEMENT_BYTES[cfg.model.dtype] == 2 else 8
 
 
-# megatron-core's local spec without Transformer Engine keeps unfused [S, S] attention scores: measured 2.45x this
-# plan on an H100 (docs/results/gpu/README.md). Said on the line a user reads, not only in the docs.
-FUSED_ATTENTION_NOTE = "fused attention assumed (TE on GPU, flash on NPU; without TE far more: docs/memory-planner.md)"
+# megatron-core's local spec kept unfused [S, S] attention scores without Transformer Engine: measured 2.45x this plan
+# on an H100 (docs/results/gpu/README.md); the engine now runs SDPA there (engines/megatron_attention.py). Said on the
+# line a user reads, not only in the docs.
+FUSED_ATTENTION_NOTE = "fused attention assumed (TE or SDPA on GPU, flash on NPU: docs/memory-planner.md)"
 
 
 def megatron_stage(cfg, spec: ModelSpec, stage: int) -> Phase:

@@ -34,7 +34,9 @@ mbridge's checkpoint names; the CPU path runs megatron's local layer spec throug
 Device paths. CPU (and the emulated NPU without MindSpeed, CI's venv): the shim's CUDA redirection is installed
 before megatron.core is imported; the local layer spec; no sequence parallelism (impossible with the local spec on
 CPU: gloo has no reduce-scatter), so no MoE with TP > 1. CUDA: the Transformer Engine spec when TE is installed,
-the local spec otherwise.
+the local spec otherwise. On the local spec without MindSpeed the core attention is one fused SDPA call
+(:mod:`.megatron_attention`), not the spec's ``DotProductAttention`` and its ``[S, S]`` scores (CP > 1:
+:mod:`.megatron_cp`'s).
 
 NPU, and the emulated NPU where the real MindSpeed is installed (:func:`.mindspeed_setup.enabled`; tests/mindspeed):
 MindSpeed is configured from the config, in this process, before anything imports megatron:
@@ -91,9 +93,9 @@ import torch.distributed as dist
 
 from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
+from gspo_ascend.engines import megatron_attention, megatron_routing, mindspeed_setup
 from gspo_ascend.engines import megatron_bridge as mb
 from gspo_ascend.engines import megatron_cp as cp_support
-from gspo_ascend.engines import megatron_routing, mindspeed_setup
 from gspo_ascend.engines.megatron_checkpoint import CHECKPOINT_FORMAT, MegatronCheckpointing
 from gspo_ascend.engines.megatron_compat import decay_every_parameter, destroy_model_parallel
 from gspo_ascend.engines.megatron_offload import OFFLOAD_PARTS, Offload, part_bytes
@@ -148,6 +150,8 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
         self.cp_attention = cp_support.local_attention_needed(self.cp, backend, use_te)
         if self.cp_attention:  # the local spec's attention cannot do CP: ours (megatron_cp.py) takes its place
             cp_support.use_local_cp_attention(self.bridge)
+        elif not use_te and not self.mindspeed:  # one fused SDPA call, not the spec's [S, S] scores (#43)
+            megatron_attention.use_sdpa_attention(self.bridge)
         self.models = self._build_models(trainable=True)
         self.ref_models = self._build_models(trainable=False) if cfg.algorithm.kl_coef > 0 else None
         self.tconfig = mb.unwrap(self.models[0]).config

@@ -1,0 +1,109 @@
+"""Core attention for megatron's local layer spec without Transformer Engine: torch's fused SDPA, not the spec's
+``DotProductAttention``.
+
+The local spec's ``DotProductAttention`` (megatron/core/transformer/dot_product_attention.py) computes the raw
+scores ``[b x heads, S, S]`` with ``baddbmm``, a softmax over them (an ``[S, S]`` causal mask built beside), and a
+second ``bmm``: quadratic memory per layer, kept for backward (on the GPU at 4k tokens 2.45x the planner's training
+memory, issue #43), and three kernels where one would do. :class:`SDPACoreAttention` is a drop-in with the same
+constructor and ``forward`` (``[sq, b, np, hn]`` in, ``[sq, b, np * hn]`` out) that calls
+``torch.nn.functional.scaled_dot_product_attention`` once, causal: FlashAttention-2 or memory-efficient attention on
+CUDA, the flash CPU kernel on the host; GQA through ``enable_gqa`` (no repeated K / V).
+
+Where it runs (engines/megatron.py): the local spec without MindSpeed and without context parallelism, that is a
+GPU without TE, and the CPU. Not under MindSpeed, which patches ``DotProductAttention.forward`` itself with the
+NPU's fused attention; not with CP > 1 (megatron_cp.AllGatherKVAttention); not with TE (its own fused attention).
+Refused by config key where the spec asks for what it does not do: a softmax other than vanilla, a window.
+
+Numerics: the same softmax(q k^T * scale) v; megatron's ``apply_query_key_layer_scaling`` divides the scale by the
+layer number and multiplies it back inside its softmax, so the product is the plain scale here. Half precision: the
+spec rounds the scores to bf16 before its fp32 softmax, the fused kernels keep them in fp32 (closer to exact).
+Tested against ``DotProductAttention`` itself (tests/unit/test_megatron_attention.py) and, through the engine,
+against Hugging Face log-probs and the fsdp engine's update (tests/integration/test_megatron_engine.py).
+
+How we differ from verl: verl's Megatron path needs Transformer Engine (its fused attention); without TE we still
+run a fused attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+from gspo_ascend.engines.megatron_cp import with_core_attention
+from gspo_ascend.errors import ConfigError
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal core attention through one SDPA call (the module docstring)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__()
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "window_size", None):
+            raise ConfigError(
+                "the megatron engine's SDPA core attention (local layer spec, no Transformer Engine) supports plain "
+                "causal attention; this model asks for another softmax or a window: install Transformer Engine"
+            )
+        if attn_mask_type != AttnMaskType.causal or getattr(config, "context_parallel_size", 1) != 1:
+            raise ConfigError("SDPACoreAttention is causal self-attention without context parallelism")
+        self.config = config
+        tp = ps.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = max(1, config.num_query_groups // tp)
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        # query [sq, b, np, hn], key / value [sk, b, ng, hn] -> [sq, b, np * hn]
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention takes causal attention without masks, biases or packing")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        extra: dict[str, Any] = {"enable_gqa": True} if self.groups < self.heads else {}
+        p = self.dropout if self.training else 0.0
+        with _dropout_rng(p):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, scale=self.scale, **extra
+            )
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def _dropout_rng(p: float):
+    """Megatron's model-parallel RNG region for attention dropout (as DotProductAttention draws it); none without."""
+    import contextlib
+
+    if p == 0.0:
+        return contextlib.nullcontext()
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def use_sdpa_attention(bridge: Any) -> None:
+    """Make ``bridge`` (already using the local spec) build :class:`SDPACoreAttention` as core attention."""
+    bridge.__class__ = _sdpa_spec_class(type(bridge))
+
+
+@functools.cache
+def _sdpa_spec_class(base: type) -> type:
+    def _get_transformer_layer_spec(self, vp_stage=None):
+        return with_core_attention(base._get_transformer_layer_spec(self, vp_stage), SDPACoreAttention)
+
+    # a subclass, like megatron_bridge's local-spec class: mbridge calls the spec builder through self
+    return type(f"SDPA{base.__name__}", (base,), {"_get_transformer_layer_spec": _get_transformer_layer_spec})

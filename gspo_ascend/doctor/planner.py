@@ -327,16 +327,19 @@ HCCL_BUFFSIZE_MB = 200
 
 
 def vllm_ascend_non_torch(cfg, hw: Profile) -> tuple[int, int]:
-    """(runtime reservation, communicator buffers) that vllm-ascend 0.11 charges to its budget: its
-    ``determine_available_memory`` (worker_v1.py) adds every byte used on the device but not by torch
-    (``mem_get_info`` used - torch's allocated) to its profiled peak, so the runtime's reservation and the
-    buffers of the communicators alive when it profiles come out of the KV cache. Alive then: the trainer's world
-    group (barriers at start) and vLLM's TP group (all-reduces in the profiling forward). vLLM on CUDA charges only
-    what grows during its own profiling: (0, 0)."""
+    """(runtime reservation, communicator buffers) that vllm-ascend 0.23 charges to its KV budget. Its
+    ``determine_available_memory`` (worker/worker.py:527-598) runs vLLM's ``memory_profiling`` from the snapshot
+    taken at start (``init_snapshot``, worker.py:466-469, before ``_init_worker_distributed_environment`` at 497):
+    non-KV memory = weights + the torch peak of the profiling run + the non-torch memory that *grew* since that
+    snapshot, out of ``gpu_memory_utilization x total``. What was on the device before the snapshot (the runtime's
+    reservation, the trainer's communicators made so far) is not charged: it sits outside the budget (the phase
+    counts training's communicators on top: :func:`_add_communicators`). What grows after it is: vLLM's TP
+    group's communicator, made in its distributed set-up. vllm-ascend 0.11 charged every non-torch byte (its
+    worker_v1.py), the runtime's reservation and the world group included. vLLM on CUDA charges what grows since
+    its snapshot too, but NCCL's buffers are not planned (docs/memory-planner.md): (0, 0)."""
     if hw.platform != "npu":
         return 0, 0
-    communicators = 1 + (cfg.rollout.tensor_parallel_size > 1)
-    return hw.reserved_mib * 2**20, communicators * 2 * HCCL_BUFFSIZE_MB * 2**20
+    return 0, (cfg.rollout.tensor_parallel_size > 1) * 2 * HCCL_BUFFSIZE_MB * 2**20
 
 
 def training_communicators(cfg, spec: ModelSpec) -> list[str]:
@@ -384,8 +387,8 @@ def rollout_phase(cfg, spec: ModelSpec, hw: Profile, train: Phase) -> tuple[Phas
     }
     if runtime or comms:  # the runtime's reservation is outside usable memory already: not a part of this phase
         parts = {**parts, "hccl buffers": comms}
-        notes["kv cache"] += f" - runtime {runtime / GIB:.1f} GiB - HCCL buffers (vllm-ascend counts non-torch memory)"
-        notes["hccl buffers"] = f"{comms // (2 * HCCL_BUFFSIZE_MB * 2**20)} communicator(s) x 2 x {HCCL_BUFFSIZE_MB} MB"
+        notes["kv cache"] += " - vLLM TP's HCCL buffers (vllm-ascend charges non-torch memory grown since its start)"
+        notes["hccl buffers"] = f"vLLM TP communicator x 2 x {HCCL_BUFFSIZE_MB} MB"
     where = "every rollout-pool device" if disaggregated(cfg) else "every device"
     phase = Phase("rollout", f"{where}, vLLM TP {cfg.rollout.tensor_parallel_size}", parts, notes)
     return phase, max(kv_cache, 0) // kv_bytes_per_token(cfg, spec)
@@ -473,17 +476,18 @@ def _pressures(cfg, train: Phase, rollout: Phase, sync: Phase, kv_tokens: int, u
 
 def _add_communicators(cfg, spec: ModelSpec, train: Phase, rollout: Phase) -> int:
     """The training communicators' HCCL buffers (training_communicators) on a trainer device's training and rollout
-    phases; returns their bytes, for the sync. Made in the first step and kept. vLLM profiles its KV budget at start,
-    before training has made them, so on a colocated device they come on top of the rollout phase's budget (the
-    world and vLLM TP communicators it did see are in its own "hccl buffers"). A rollout pool's devices hold none."""
+    phases; returns their bytes, for the sync. Made on each group's first collective and kept. vllm-ascend 0.23
+    charges its KV budget only what grew since its start snapshot (vllm_ascend_non_torch), so on a colocated device
+    every training communicator but vLLM's own TP group (in its "hccl buffers") comes on top of the rollout
+    phase's budget, made before vLLM started or after it sized its KV cache. A rollout pool's devices hold none."""
     groups = training_communicators(cfg, spec)
     comms = communicator_bytes(groups)
     train.parts["hccl buffers"] = comms
     train.notes["hccl buffers"] = f"{len(groups)} communicators ({', '.join(groups)}) x 2 x {HCCL_BUFFSIZE_MB} MB"
-    later = [g for g in groups if g not in ("world", "vllm tp")]
-    if later and not disaggregated(cfg):
-        rollout.parts["train hccl"] = communicator_bytes(later)
-        rollout.notes["train hccl"] = f"{', '.join(later)}: made by training after vLLM sized its KV cache"
+    outside = [g for g in groups if g != "vllm tp"]
+    if outside and not disaggregated(cfg):
+        rollout.parts["train hccl"] = communicator_bytes(outside)
+        rollout.notes["train hccl"] = f"{', '.join(outside)}: training's, outside vLLM's budget"
     return comms
 
 

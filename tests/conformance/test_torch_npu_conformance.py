@@ -365,3 +365,21 @@ def test_shim_device_module_is_a_subset_of_torch_npu_npu():
     # torch_npu.npu.streams is a submodule; it must exist in the wheel with what the shim gives it
     streams = upstream_file("torch-npu", "torch_npu/npu/streams.py").read_text()
     assert all(f"class {name}(" in streams for name in dir(device.streams) if not name.startswith("_"))
+
+
+def test_unsupported_dtypes_are_the_pinned_torch_npus():
+    """The shim's ``torch_npu.unsupported_dtype`` (which MindSpeed's TensorSyncTool reads to number every other dtype)
+    is the pinned wheel's list: torch-npu 2.10 sets it in ``_init/registry/backend.py`` (2.7.1 in its __init__.py,
+    the same five quantised dtypes)."""
+    from gspo_ascend.device.shim.mindspeed_support import UNSUPPORTED_DTYPES
+
+    tree = ast.parse(upstream_file("torch-npu", "torch_npu/_init/registry/backend.py").read_text())
+    lists = [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "unsupported_dtype" for t in node.targets)
+    ]
+    assert len(lists) == 1
+    pinned = [f"torch.{element.attr}" for element in lists[0].elts]
+    assert pinned == [str(dtype) for dtype in UNSUPPORTED_DTYPES]

@@ -108,17 +108,18 @@ def test_qwen3_30b_a3b_2x8_a2_tp4_pp2_ep4():
     assert p.rollout.parts["weights"] == 15_285_252_096
     # workspace: 8192 batched tokens x 2 B x (4h + 3 x 8 x 768 / 4) = 209,715,200
     assert p.rollout.parts["workspace"] == 209_715_200
-    # KV cache = 0.5 x 64 GiB - weights - workspace - what vllm-ascend counts as non-torch memory: the runtime's
-    # 4096 MiB and 2 HCCL communicators (world, rollout TP) x 2 x 200 MiB = 838,860,800
-    # = 34,359,738,368 - 15,285,252,096 - 209,715,200 - 4,294,967,296 - 838,860,800
-    assert p.rollout.parts["hccl buffers"] == 838_860_800
-    assert p.rollout.parts["kv cache"] == 13_730_942_976
-    # per token: 2 (K, V) x 48 layers x 1 KV head (4/TP4) x 128 x 2 B = 24,576 -> 558,713 tokens (68.2 x 8192)
-    assert p.kv_tokens == 558_713
-    # offloaded; the runtime's 4 GiB is outside usable already: 0.5 x 64 GiB - 4 GiB
-    # + the 7 communicators training makes after vLLM sized its KV cache (all but world and vLLM TP): 2,936,012,800
-    assert p.rollout.parts["train hccl"] == 7 * 419_430_400
-    assert p.rollout.parts["actor state"] == 0 and p.rollout.total == 30_064_771_072 + 2_936_012_800
+    # KV cache = 0.5 x 64 GiB - weights - workspace - what vllm-ascend 0.23 charges beyond torch: the non-torch memory
+    # grown since its start snapshot, vLLM's own TP group's communicator, 2 x 200 MiB = 419,430,400 (0.11 charged
+    # every non-torch byte: the runtime's 4096 MiB and the world group's communicator too)
+    # = 34,359,738,368 - 15,285,252,096 - 209,715,200 - 419,430,400
+    assert p.rollout.parts["hccl buffers"] == 419_430_400
+    assert p.rollout.parts["kv cache"] == 18_445_340_672
+    # per token: 2 (K, V) x 48 layers x 1 KV head (4/TP4) x 128 x 2 B = 24,576 -> 750,542 tokens (91.6 x 8192)
+    assert p.kv_tokens == 750_542
+    # offloaded: vLLM's budget 0.5 x 64 GiB (the runtime's 4 GiB is outside usable already), + the 8 training
+    # communicators outside it (all but vLLM TP): 3,355,443,200
+    assert p.rollout.parts["train hccl"] == 8 * 419_430_400
+    assert p.rollout.parts["actor state"] == 0 and p.rollout.total == 34_359_738_368 + 3_355_443_200
     # sync: the trainer's bf16 parameters only (offload), vLLM's weights (KV asleep), and the export's transient:
     # a layer's 128 experts gathered and fused, 2 x 2 B x 603,979,776 = 2,415,919,104 (> the 311,164,928 embedding)
     assert p.sync.parts == {"actor state": 7_642_628_096, "export": 2_415_919_104, "rollout": 15_285_252_096,
@@ -161,9 +162,9 @@ def test_qwen3_30b_a3b_without_distributed_optimizer_does_not_fit():
 def test_qwen3_30b_a3b_without_offload_does_not_fit_rollout():
     p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false")
     # weights + fp32 grads + optimizer stay during rollout: 45,855,768,576 + vLLM's 0.5 x 64 GiB = 80,215,506,944
-    # + training's 7 later communicators 2,936,012,800
+    # + training's 8 communicators outside vLLM's budget 3,355,443,200
     assert p.rollout.parts["actor state"] == 45_855_768_576
-    assert p.rollout.total == 80_215_506_944 - 4_294_967_296 + 2_936_012_800  # the runtime's 4 GiB: outside usable
+    assert p.rollout.total == 80_215_506_944 + 3_355_443_200
     # and during the sync: + export 2,415,919,104 + vLLM weights 15,285,252,096 = 63,556,939,776, + 9 communicators
     # 3,774,873,600 = 67,331,813,376 B, 1.16 x the "fits" line (0.9 x usable): OOM (was "tight" without them)
     assert p.sync.total == 63_556_939_776 + 3_774_873_600 and p.sync_verdict == "OOM"
@@ -178,9 +179,9 @@ def test_a_rollout_pool_holds_no_actor_state_and_the_sync_is_sized_per_side():
     colocated = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false")
     p = planned(A2, *MOE, *TP4_PP2_EP4, "actor.offload=false", "rollout_pool.devices_per_node=8")
     assert p.rollout.parts["actor state"] == 0
-    # the colocated rollout total less its 45,855,768,576 B of actor state and training's 7 later communicators
-    # (2,936,012,800): a pool device holds neither
-    assert p.rollout.total == colocated.rollout.total - 45_855_768_576 - 2_936_012_800 == 30_064_771_072
+    # the colocated rollout total less its 45,855,768,576 B of actor state and training's 8 communicators outside
+    # vLLM's budget (3,355,443,200): a pool device holds neither; left: vLLM's 0.5 x 64 GiB
+    assert p.rollout.total == colocated.rollout.total - 45_855_768_576 - 3_355_443_200 == 34_359_738_368
     assert "train hccl" not in p.rollout.parts and p.kv_tokens == colocated.kv_tokens
     # the trainer has no vLLM TP group: 8 communicators, one (419,430,400) fewer than colocated
     assert p.train.total == colocated.train.total - 419_430_400
@@ -235,11 +236,13 @@ def test_qwen25_3b_fsdp_on_a2():
     # rollout TP2: 36 x (4,719,872 + 4,096 + 33,816,576) + 311,164,928/2 + 2,048 = 1,543,044,096 params x 2 B
     assert p.rollout.parts["weights"] == 3_086_088_192
     assert p.rollout.parts["workspace"] == 404_750_336  # 8192 x 2 x (4h + 3 x 11008 / 2)
-    # 0.75 x 64 GiB - weights - workspace - runtime 4 GiB - 2 HCCL communicators x 400 MiB;
-    # per token 2 x 36 x 1 x 128 x 2 = 18,432 B -> 2,328,284 tokens
-    assert p.rollout.parts["kv cache"] == 42_914_940_928 and p.kv_tokens == 2_328_284
-    # the actor's 6,171,877,376 B stay (no offload): 53,416,517,632 <= 0.9 x usable = 57,982,058,496
-    assert p.rollout.total == 53_416_517_632 and p.verdict == "fits"
+    # 0.75 x 64 GiB - weights - workspace - vLLM TP's HCCL communicator 400 MiB (vllm-ascend 0.23's accounting);
+    # per token 2 x 36 x 1 x 128 x 2 = 18,432 B -> 2,584,057 tokens
+    assert p.rollout.parts["kv cache"] == 47_629_338_624 and p.kv_tokens == 2_584_057
+    # the actor's 6,171,877,376 B stay (no offload), + vLLM's 0.75 x 64 GiB + the world communicator outside it:
+    # 58,130,915,328 > 0.9 x usable = 57,982,058,496, within usable: tight. Under vllm-ascend 0.11 the same config was
+    # 53,416,517,632, fits: 0.11 took the runtime's 4 GiB out of this budget, 0.23 does not
+    assert p.rollout.total == 58_130_915_328 and p.verdict == "tight"
     assert "training peak by actor.use_distributed_optimizer" not in p.variants
     # auto (the default): the layers kept gathered fit in 0.8 of the 64 GiB here, so the planner keeps them: every layer
     # and the root in bf16, 2 x 3,085,938,688, + the unsharded fp32 gradients 4 x 3,085,938,688

@@ -364,9 +364,10 @@ def _build_acl() -> types.ModuleType:
 
 # attributes added to the NPU shim's torch_npu and torch_npu.npu module objects
 _TORCH_NPU_ATTRS = ("__file__", "contrib", "utils", "_C", "unsupported_dtype")
-# torch_npu 2.7.1's ``torch_npu.unsupported_dtype`` (its __init__.py): the quantised dtypes the NPU has no storage
-# for. MindSpeed's dist-train TensorSyncTool (built when TransformerConfig validates its features) numbers every
-# other torch dtype.
+# torch_npu's ``torch_npu.unsupported_dtype``: the quantised dtypes the NPU has no storage for, the same five in
+# 2.10.0.post4 (``_init/registry/backend.py``) as in 2.7.1 (its __init__.py); held to the pinned wheel by
+# tests/conformance/test_torch_npu_conformance.py. MindSpeed's dist-train TensorSyncTool (built when TransformerConfig
+# validates its features) numbers every other torch dtype.
 UNSUPPORTED_DTYPES = (torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32, torch.qint8)
 _DEVICE_ATTRS = ("_lazy_call", "default_generators")
 

@@ -411,7 +411,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     engine = build_engine(cfg, backend, model_dir)
     try:
         first, seconds, metrics = time_updates(engine, batches[: args.steps + 1], backend)
-        syncs = count_syncs(engine, batches[args.steps], backend)
+        syncs = count_syncs(engine, batches[args.steps], backend)  # the last timed batch again: counted, not timed
         if args.profile:
             profile_update(engine, batches[-1], backend)
         on_device = backend.torch_device_type != "cpu"  # host RSS is not device memory (module docstring)

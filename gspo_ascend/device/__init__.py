@@ -118,7 +118,7 @@ class Backend:
         None on the host and the emulated NPU: nothing to wait for there (tests/unit/test_host_syncs.py follows the
         data instead). Both runtimes call it experimental: not every synchronising call warns."""
         mod = self.module()
-        if mod is None or self.emulated or not hasattr(mod, "set_sync_debug_mode"):
+        if mod is None or self.emulated or not hasattr(mod, "get_sync_debug_mode"):
             yield None
             return
         import warnings
@@ -184,11 +184,27 @@ def upload(tensor, device):
     ``non_blocking`` (torch's caching host allocator keeps the staging block until the copy has run). A plain
     ``.to(device)`` or ``torch.tensor(..., device=device)`` from pageable memory is a copy followed by a stream
     synchronisation on CUDA and NPU: the host then waits for every kernel queued before it, and cannot run ahead
-    to queue the next micro-batch (issue #43: ~11 such copies per micro-batch). On the host (CPU, the emulated NPU)
-    the tensor itself."""
-    if tensor.device == device or device.type == "cpu":
+    to queue the next micro-batch (issue #43: ~11 such copies per micro-batch). On the host (CPU, the emulated NPU),
+    or for a tensor already on an accelerator, a plain ``.to``. Do not write into the tensor while the copy may run
+    (a tensor already pinned is copied from in place)."""
+    import torch
+
+    device = torch.device(device)
+    if tensor.device.type != "cpu" or device.type == "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def download(tensor):
+    """A device tensor's host copy without waiting: into pinned memory, ``non_blocking``. Its values are there only once
+    the device has run the copy: read it after :meth:`Backend.synchronize` (or any later blocking read). The device
+    tensor may be freed at once (its memory is reused in stream order). On the host the tensor itself."""
+    import torch
+
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def shim_requested() -> bool:
@@ -245,4 +261,15 @@ def _npu() -> Backend:
     )
 
 
-__all__ = ["Backend", "CPU", "CUDA", "NPU", "NPU_SHIM", "VALID_NAMES", "get_backend", "shim_requested", "upload"]
+__all__ = [
+    "Backend",
+    "CPU",
+    "CUDA",
+    "NPU",
+    "NPU_SHIM",
+    "VALID_NAMES",
+    "download",
+    "get_backend",
+    "shim_requested",
+    "upload",
+]

@@ -326,20 +326,20 @@ def kv_bytes_per_token(cfg, spec: ModelSpec) -> int:
 HCCL_BUFFSIZE_MB = 200
 
 
-def vllm_ascend_non_torch(cfg, hw: Profile) -> tuple[int, int]:
-    """(runtime reservation, communicator buffers) that vllm-ascend 0.23 charges to its KV budget. Its
-    ``determine_available_memory`` (worker/worker.py:527-598) runs vLLM's ``memory_profiling`` from the snapshot
-    taken at start (``init_snapshot``, worker.py:466-469, before ``_init_worker_distributed_environment`` at 497):
-    non-KV memory = weights + the torch peak of the profiling run + the non-torch memory that *grew* since that
-    snapshot, out of ``gpu_memory_utilization x total``. What was on the device before the snapshot (the runtime's
-    reservation, the trainer's communicators made so far) is not charged: it sits outside the budget (the phase
-    counts training's communicators on top: :func:`_add_communicators`). What grows after it is: vLLM's TP
-    group's communicator, made in its distributed set-up. vllm-ascend 0.11 charged every non-torch byte (its
-    worker_v1.py), the runtime's reservation and the world group included. vLLM on CUDA charges what grows since
-    its snapshot too, but NCCL's buffers are not planned (docs/memory-planner.md): (0, 0)."""
+def vllm_charged_hccl(cfg, hw: Profile) -> int:
+    """The HCCL buffers vllm-ascend 0.23 charges to its KV budget. Its ``determine_available_memory``
+    (worker/worker.py:527-598) runs vLLM's ``memory_profiling`` from the snapshot taken at start (``init_snapshot``,
+    worker.py:466-469, before ``_init_worker_distributed_environment`` at 497): non-KV memory = weights + the torch
+    peak of the profiling run + the non-torch memory that *grew* since that snapshot, out of
+    ``gpu_memory_utilization x total``. What was on the device before the snapshot (the runtime's reservation, the
+    trainer's communicators made so far) is not charged: it sits outside the budget (the phase counts training's
+    communicators on top: :func:`_add_communicators`). What grows after it is: vLLM's TP group's communicator, made
+    in its distributed set-up. vllm-ascend 0.11 charged every non-torch byte (its worker_v1.py), the runtime's
+    reservation and the world group included. vLLM on CUDA charges what grows since its snapshot too, but NCCL's
+    buffers are not planned (docs/memory-planner.md): 0."""
     if hw.platform != "npu":
-        return 0, 0
-    return 0, (cfg.rollout.tensor_parallel_size > 1) * 2 * HCCL_BUFFSIZE_MB * 2**20
+        return 0
+    return (cfg.rollout.tensor_parallel_size > 1) * 2 * HCCL_BUFFSIZE_MB * 2**20
 
 
 def training_communicators(cfg, spec: ModelSpec) -> list[str]:
@@ -375,8 +375,8 @@ def rollout_phase(cfg, spec: ModelSpec, hw: Profile, train: Phase) -> tuple[Phas
     budget = int(cfg.rollout.gpu_memory_utilization * hw.hbm_mib * 2**20)
     weights, workspace = rollout_weights(cfg, spec), rollout_workspace(cfg, spec)
     residue = 0 if cfg.actor.offload or disaggregated(cfg) else static_bytes(train)
-    runtime, comms = vllm_ascend_non_torch(cfg, hw)
-    kv_cache = budget - weights - workspace - runtime - comms
+    comms = vllm_charged_hccl(cfg, hw)
+    kv_cache = budget - weights - workspace - comms
     parts = {"actor state": residue, "weights": weights, "workspace": workspace, "kv cache": kv_cache}
     kept = "offloaded to host (actor.offload=true)" if cfg.actor.offload else "weights + grads + optimizer stay"
     if disaggregated(cfg):
@@ -385,7 +385,7 @@ def rollout_phase(cfg, spec: ModelSpec, hw: Profile, train: Phase) -> tuple[Phas
         "actor state": kept,
         "kv cache": f"gpu_memory_utilization {cfg.rollout.gpu_memory_utilization} x HBM - weights - workspace",
     }
-    if runtime or comms:  # the runtime's reservation is outside usable memory already: not a part of this phase
+    if comms:  # the runtime's reservation is outside usable memory already, and outside vLLM's 0.23 budget
         parts = {**parts, "hccl buffers": comms}
         notes["kv cache"] += " - vLLM TP's HCCL buffers (vllm-ascend charges non-torch memory grown since its start)"
         notes["hccl buffers"] = f"vLLM TP communicator x 2 x {HCCL_BUFFSIZE_MB} MB"
@@ -477,7 +477,7 @@ def _pressures(cfg, train: Phase, rollout: Phase, sync: Phase, kv_tokens: int, u
 def _add_communicators(cfg, spec: ModelSpec, train: Phase, rollout: Phase) -> int:
     """The training communicators' HCCL buffers (training_communicators) on a trainer device's training and rollout
     phases; returns their bytes, for the sync. Made on each group's first collective and kept. vllm-ascend 0.23
-    charges its KV budget only what grew since its start snapshot (vllm_ascend_non_torch), so on a colocated device
+    charges its KV budget only what grew since its start snapshot (vllm_charged_hccl), so on a colocated device
     every training communicator but vLLM's own TP group (in its "hccl buffers") comes on top of the rollout
     phase's budget, made before vLLM started or after it sized its KV cache. A rollout pool's devices hold none."""
     groups = training_communicators(cfg, spec)

@@ -104,6 +104,8 @@ class FSDPEngine:
         self.ref_model = self._build_model(model_path, trainable=False)[0] if cfg.algorithm.kl_coef > 0 else None
         self.pad_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
         self.routes = self._replay_book()
+        if self.routes is not None:  # the old forward's routes come to the host without a wait per micro-batch
+            self.routes.wait = backend.synchronize
         a = cfg.actor
         # fused: one kernel over every tensor (CUDA, CPU, and NPU, whose torch_npu registers _fused_adamw_ for
         # PrivateUse1: npu_native_functions_by_codegen.yaml in the 2.7.1 and 2.10 wheels); on CPU 10x foreach's step

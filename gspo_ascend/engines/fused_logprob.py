@@ -57,8 +57,8 @@ class _LinearLogProb(torch.autograd.Function):
             x = _chunk_logits(flat_h[rows], weight, temperature, dtype)
             lse[rows] = torch.logsumexp(x, dim=-1)
             flat_out[rows] = x.gather(-1, flat_y[rows, None]).squeeze(-1) - lse[rows]
-            if entropy:  # H = lse - sum_v p_v x_v, from the chunk already in hand: no second pass over the head
-                ent.view(-1)[rows] = lse[rows] - (torch.exp(x - lse[rows, None]) * x).sum(-1)
+            if entropy:  # from the chunk already in hand: no second pass over the head
+                ent.view(-1)[rows] = softmax_entropy(x, lse[rows])
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(ent)
@@ -98,6 +98,15 @@ class _LinearLogProb(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def softmax_entropy(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Each row's entropy of softmax(x), given x [rows, V] and its logsumexp [rows]: H = lse - sum_v p_v x_v, through
+    one [rows, V] temporary (p, computed and multiplied in place). No gradient: call it under no_grad.
+
+    # [rows, V], [rows] -> [rows]
+    """
+    return lse - (x - lse[:, None]).exp_().mul_(x).sum(-1)
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype):

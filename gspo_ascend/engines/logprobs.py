@@ -59,7 +59,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
         out.append(picked - lse)  # log_softmax(x)[y] without the [N, V] matrix
         if entropy:
             with torch.no_grad():
-                ent.append(lse - (torch.exp(x - lse[:, None]) * x).sum(-1))  # H = lse - sum_v p_v x_v
+                ent.append(fused_logprob.softmax_entropy(x, lse))
     if not out:
         zeros = flat.new_zeros(labels.shape, dtype=dtype)
         return (zeros, zeros.clone()) if entropy else zeros

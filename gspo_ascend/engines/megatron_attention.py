@@ -7,7 +7,9 @@ second ``bmm``: quadratic memory per layer, kept for backward (on the GPU at 4k 
 memory, issue #43), and three kernels where one would do. :class:`SDPACoreAttention` is a drop-in with the same
 constructor and ``forward`` (``[sq, b, np, hn]`` in, ``[sq, b, np * hn]`` out) that calls
 ``torch.nn.functional.scaled_dot_product_attention`` once, causal: FlashAttention-2 or memory-efficient attention on
-CUDA, the flash CPU kernel on the host; GQA through ``enable_gqa`` (no repeated K / V).
+CUDA in half precision, the flash CPU kernel on the host; GQA through ``enable_gqa`` (no repeated K / V). Where torch
+has no fused kernel for the call (fp32 on CUDA, a head dimension over 256, some GQA cases on the memory-efficient
+backend) it falls back to its math kernel, which does keep the scores, as the spec did.
 
 Where it runs (engines/megatron.py): the local spec without MindSpeed and without context parallelism, that is a
 GPU without TE, and the CPU. Not under MindSpeed, which patches ``DotProductAttention.forward`` itself with the
@@ -26,47 +28,30 @@ run a fused attention.
 
 from __future__ import annotations
 
-import functools
-import math
+import contextlib
 from typing import Any
 
 import torch
 
-from gspo_ascend.engines.megatron_cp import with_core_attention
+from gspo_ascend.engines.megatron_cp import LocalCoreAttention, use_core_attention
 from gspo_ascend.errors import ConfigError
 
 
-class SDPACoreAttention(torch.nn.Module):
+class SDPACoreAttention(LocalCoreAttention):
     """Causal core attention through one SDPA call (the module docstring)."""
 
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type,
-        attention_type: str,
-        attention_dropout=None,
-        softmax_scale=None,
-        cp_comm_type=None,
-        pg_collection=None,
-    ) -> None:
-        super().__init__()
-        from megatron.core import parallel_state as ps
+    refusal = (
+        "the megatron engine's SDPA core attention (local layer spec, no Transformer Engine) supports plain causal "
+        "attention; this model asks for another softmax or a window: install Transformer Engine"
+    )
+
+    def __init__(self, config, layer_number: int, attn_mask_type, *args, **kwargs) -> None:
+        super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
         from megatron.core.transformer.enums import AttnMaskType
 
-        if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "window_size", None):
-            raise ConfigError(
-                "the megatron engine's SDPA core attention (local layer spec, no Transformer Engine) supports plain "
-                "causal attention; this model asks for another softmax or a window: install Transformer Engine"
-            )
         if attn_mask_type != AttnMaskType.causal or getattr(config, "context_parallel_size", 1) != 1:
             raise ConfigError("SDPACoreAttention is causal self-attention without context parallelism")
-        self.config = config
-        tp = ps.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
-        self.heads = config.num_attention_heads // tp
-        self.groups = max(1, config.num_query_groups // tp)
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -75,20 +60,19 @@ class SDPACoreAttention(torch.nn.Module):
         if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError("SDPACoreAttention takes causal attention without masks, biases or packing")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        extra: dict[str, Any] = {"enable_gqa": True} if self.groups < self.heads else {}
-        p = self.dropout if self.training else 0.0
-        with _dropout_rng(p):
+        extra: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        p = self.dropout_p if self.training else 0.0
+        with _dropout_rng(p, self.sequence_parallel):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=p, is_causal=True, scale=self.scale, **extra
             )
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
-def _dropout_rng(p: float):
-    """Megatron's model-parallel RNG region for attention dropout (as DotProductAttention draws it); none without."""
-    import contextlib
-
-    if p == 0.0:
+def _dropout_rng(p: float, sequence_parallel: bool):
+    """Megatron's model-parallel RNG region for attention dropout, where DotProductAttention draws it (without
+    sequence parallelism); none without dropout."""
+    if p == 0.0 or sequence_parallel:
         return contextlib.nullcontext()
     from megatron.core import tensor_parallel
 
@@ -97,13 +81,4 @@ def _dropout_rng(p: float):
 
 def use_sdpa_attention(bridge: Any) -> None:
     """Make ``bridge`` (already using the local spec) build :class:`SDPACoreAttention` as core attention."""
-    bridge.__class__ = _sdpa_spec_class(type(bridge))
-
-
-@functools.cache
-def _sdpa_spec_class(base: type) -> type:
-    def _get_transformer_layer_spec(self, vp_stage=None):
-        return with_core_attention(base._get_transformer_layer_spec(self, vp_stage), SDPACoreAttention)
-
-    # a subclass, like megatron_bridge's local-spec class: mbridge calls the spec builder through self
-    return type(f"SDPA{base.__name__}", (base,), {"_get_transformer_layer_spec": _get_transformer_layer_spec})
+    use_core_attention(bridge, SDPACoreAttention)

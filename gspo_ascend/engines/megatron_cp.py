@@ -140,10 +140,12 @@ class _GatherSequence(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------- attention
 
 
-class AllGatherKVAttention(torch.nn.Module):
-    """Causal core attention under CP for megatron's local layer spec (drop-in for its ``DotProductAttention``:
-    same constructor keywords, same ``forward(query, key, value, attention_mask, ...)``, ``[sq, b, np * hn]``
-    out). Inputs are this rank's zigzag part of the sequence; see the module docstring."""
+class LocalCoreAttention(torch.nn.Module):
+    """What a drop-in for the local spec's ``DotProductAttention`` reads at construction (the same keywords): this TP
+    rank's query heads and KV groups, the softmax scale, the dropout; plain causal attention only (``refusal``: the
+    one-line message for a model that asks for another softmax or a window)."""
+
+    refusal = "actor.context_parallel_size > 1 on the local layer spec supports plain causal attention"
 
     def __init__(
         self,
@@ -160,17 +162,27 @@ class AllGatherKVAttention(torch.nn.Module):
         from megatron.core import parallel_state as ps
 
         if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "window_size", None):
-            raise ConfigError("actor.context_parallel_size > 1 on the local layer spec supports plain causal attention")
+            raise ConfigError(self.refusal)
         self.config = config
         tp = ps.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
         self.heads = config.num_attention_heads // tp
         self.groups = max(1, config.num_query_groups // tp)
-        head_dim = config.kv_channels
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+
+class AllGatherKVAttention(LocalCoreAttention):
+    """Causal core attention under CP for megatron's local layer spec (drop-in for its ``DotProductAttention``:
+    same constructor keywords, same ``forward(query, key, value, attention_mask, ...)``, ``[sq, b, np * hn]``
+    out). Inputs are this rank's zigzag part of the sequence; see the module docstring."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        from megatron.core import parallel_state as ps
+
         self.cp_group = ps.get_context_parallel_group()
         self.cp, self.cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
-        p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.dropout = torch.nn.Dropout(p)
+        self.dropout = torch.nn.Dropout(self.dropout_p)
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -244,16 +256,23 @@ def transformer_overrides(cfg: Config, backend: Backend, use_te: bool) -> dict[s
 
 def use_local_cp_attention(bridge: Any) -> None:
     """Make ``bridge`` (already using the local spec) build :class:`AllGatherKVAttention` as core attention."""
-    bridge.__class__ = _cp_spec_class(type(bridge))
+    use_core_attention(bridge, AllGatherKVAttention)
+
+
+def use_core_attention(bridge: Any, core_attention: type) -> None:
+    """Make ``bridge`` (already using the local spec) build ``core_attention`` in every self-attention layer (also
+    megatron_attention's SDPA core attention)."""
+    bridge.__class__ = _core_attention_spec_class(type(bridge), core_attention)
 
 
 @functools.cache
-def _cp_spec_class(base: type) -> type:
+def _core_attention_spec_class(base: type, core_attention: type) -> type:
     def _get_transformer_layer_spec(self, vp_stage=None):
-        return with_core_attention(base._get_transformer_layer_spec(self, vp_stage), AllGatherKVAttention)
+        return with_core_attention(base._get_transformer_layer_spec(self, vp_stage), core_attention)
 
     # a subclass, like megatron_bridge's local-spec class: mbridge calls the spec builder through self
-    return type(f"CP{base.__name__}", (base,), {"_get_transformer_layer_spec": _get_transformer_layer_spec})
+    name = f"{core_attention.__name__}{base.__name__}"
+    return type(name, (base,), {"_get_transformer_layer_spec": _get_transformer_layer_spec})
 
 
 def with_core_attention(block_spec: Any, core_attention: type) -> Any:

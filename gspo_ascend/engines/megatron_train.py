@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gspo_ascend.algorithms import count_tokens_and_seqs
 from gspo_ascend.engines import megatron_cp as cp_support
 from gspo_ascend.engines.base import SampleBatch
-from gspo_ascend.engines.logprobs import response_lengths, uploaded
+from gspo_ascend.engines.logprobs import LOGSUMEXP_CHUNK, response_lengths, uploaded
 from gspo_ascend.engines.megatron_compat import uses_decoupled_grads
 from gspo_ascend.engines.microbatch import micro_batches
 from gspo_ascend.engines.train_common import (
@@ -101,22 +101,33 @@ def vocab_parallel_log_probs(logits: torch.Tensor, micro: _Micro, temperature: f
 def vocab_parallel_entropy(logits: torch.Tensor, micro: _Micro, temperature: float) -> torch.Tensor:
     """[b, R] float32 entropy of ``softmax(logits / T)`` at the response positions (0 at padding), no gradient, from
     TP-sharded logits [b, S, V/TP]: H = lse - sum_v p_v x_v, with the max and the two sums all-reduced over the TP
-    group (two collectives: every TP rank must call this for the same micro-batches)."""
+    group (two collectives: every TP rank calls this for the same micro-batches). In chunks of LOGSUMEXP_CHUNK rows,
+    in place: one [chunk, V/TP] float32 block at a time beside what the log-probs' cross entropy keeps."""
     from megatron.core import parallel_state
 
     with torch.no_grad():
-        if micro.rows.numel() == 0:
+        n = micro.rows.numel()
+        if n == 0:
             return logits.new_zeros(micro.shape, dtype=torch.float32)
-        x = logits[micro.rows, micro.positions].float()  # [N, V/TP]
-        if temperature != 1.0:
-            x = x / temperature
         group = parallel_state.get_tensor_model_parallel_group()
-        top = x.amax(-1)
-        if dist.get_world_size(group) > 1:
+        parallel = dist.get_world_size(group) > 1
+
+        def chunk(start: int) -> torch.Tensor:
+            rows = slice(start, start + LOGSUMEXP_CHUNK)
+            x = logits[micro.rows[rows], micro.positions[rows]].float()  # [chunk, V/TP], a copy
+            return x.div_(temperature) if temperature != 1.0 else x
+
+        starts = range(0, n, LOGSUMEXP_CHUNK)
+        top = torch.cat([chunk(a).amax(-1) for a in starts])  # [N]
+        if parallel:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        e = torch.exp(x - top[:, None])
-        sums = torch.stack([e.sum(-1), (e * x).sum(-1)])  # [2, N]: sum exp, sum exp * x
-        if dist.get_world_size(group) > 1:
+        sums = torch.empty(2, n, dtype=torch.float32, device=logits.device)  # sum exp(x - top), sum exp(x - top) x
+        for a in starts:
+            x = chunk(a)
+            e = (x - top[a : a + LOGSUMEXP_CHUNK, None]).exp_()
+            sums[0, a : a + LOGSUMEXP_CHUNK] = e.sum(-1)
+            sums[1, a : a + LOGSUMEXP_CHUNK] = e.mul_(x).sum(-1)
+        if parallel:
             dist.all_reduce(sums, group=group)
         entropy = sums[0].log() + top - sums[1] / sums[0]
         return entropy.new_zeros(micro.shape).index_put((micro.rows, micro.cols), entropy)

@@ -25,12 +25,12 @@ replayed weights are recomputed from the router's weight, one [tokens, experts] 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from gspo_ascend.device import upload
+from gspo_ascend.device import download, upload
 
 # families whose router is a transformers TopKRouter computing softmax -> top-k -> (re-normalise): checked in
 # tests/test_routing.py against the installed transformers' source
@@ -238,7 +238,8 @@ class ReplayBook:
         self.mode, self.layers, self.k = mode, layers, k
         self.dtype = route_dtype(num_experts)
         self._old_routes: dict = {}
-        self._unread: list = []  # old forwards' routes still on the device (:meth:`remember_flat`)
+        self._unread: list = []  # old forwards' routes on their way to the host (:meth:`remember_flat`)
+        self.wait: Callable[[], None] | None = None  # the engine's device synchronisation, before reading them
         self.rollout, self.update = Agreement(), Agreement()
 
     def forget(self) -> None:
@@ -247,8 +248,10 @@ class ReplayBook:
 
     @property
     def old_routes(self) -> dict:
-        """The last old forward's routes by sample (:func:`sample_key`), on the host; read from the device here, once
-        per micro-batch the forward left (:meth:`remember_flat`)."""
+        """The last old forward's routes by sample (:func:`sample_key`), on the host; the copies :meth:`remember_flat`
+        started are waited for here, once (one device synchronisation, not one per micro-batch)."""
+        if self._unread and self.wait is not None:
+            self.wait()
         for keys, flat, starts, lengths in self._unread:
             self._old_routes.update(zip(keys, split(flat, starts, lengths, self.dtype), strict=True))
         self._unread = []
@@ -276,10 +279,11 @@ class ReplayBook:
         return found if found and all(r is not None for r in found) else None
 
     def remember_flat(self, batch, flat: torch.Tensor, starts, lengths) -> None:
-        """:meth:`remember` for routes as the forward left them (:func:`flatten`'s layout, on the device), read back
-        when the update first asks for them: read per micro-batch, each old-log-prob forward would wait for the one
-        before it (issue #43)."""
-        self._unread.append((sample_keys(batch), flat, starts, lengths))
+        """:meth:`remember` for routes as the forward left them (:func:`flatten`'s layout, on the device): cast to the
+        held dtype (one byte a route up to 256 experts) and copied to pinned host memory without waiting, so neither
+        the device keeps a micro-batch's routes nor the host waits per micro-batch for them (issue #43); read when the
+        update first asks (:attr:`old_routes`)."""
+        self._unread.append((sample_keys(batch), download(flat.to(self.dtype)), starts, lengths))
 
     def remember(self, batch, routes: list[torch.Tensor]) -> None:
         self.old_routes.update(zip(sample_keys(batch), routes, strict=True))

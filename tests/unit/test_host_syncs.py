@@ -12,7 +12,9 @@ micro-batch, by 11 in the update (inputs and index tensors built on the device f
 tensors moved with ``.to``, the loss normaliser made a device tensor, the metrics read back) and by 7 in the
 old-log-prob pass (the same inputs, and each micro-batch's log-probs read back).
 
-On a GPU the selftest's ``host_syncs`` case counts the real synchronisations (CUDA's sync debug mode) instead.
+On a device, ``benchmarks/train_throughput.py`` counts the real synchronisations of one update instead (the runtime's
+sync debug mode: ``host_syncs_per_update``). Blind spots: the model here is dense (the MoE routes' path is not
+watched), and a read written ``.to("cpu")`` cannot be told from a same-device ``.to`` when the device is the CPU.
 """
 
 from __future__ import annotations

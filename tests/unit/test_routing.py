@@ -278,6 +278,29 @@ def test_replay_is_refused_where_it_cannot_work(moe_path):
         book.targets(SampleBatch([[1]], torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1)), "old")
 
 
+def test_the_old_forwards_routes_are_held_one_byte_a_route_and_waited_for_once():
+    """What remember_flat keeps of a micro-batch's routes (#43): the held dtype (one byte up to 256 experts), not the
+    forward's int64, and one device wait when the update first reads them, not one per micro-batch."""
+    book = routing.ReplayBook("r2", 2, 2, 4)
+    waits = []
+    book.wait = lambda: waits.append(1)
+    batches = [
+        SampleBatch([[5, 6]], torch.tensor([[7, 8]]), torch.ones(1, 2)),
+        SampleBatch([[9]], torch.tensor([[3]]), torch.ones(1, 1)),
+    ]
+    flats = [torch.randint(0, 4, (3, 2, 2)), torch.randint(0, 4, (1, 2, 2))]  # P + L - 1 tokens, 2 layers, k 2
+    for batch, flat in zip(batches, flats, strict=True):
+        book.remember_flat(batch, flat, [0], [flat.shape[0]])
+    assert waits == []  # nothing read yet
+    got = [book.old_routes[k] for b in batches for k in routing.sample_keys(b)]
+    assert waits == [1] and all(r.dtype == torch.uint8 for r in got)
+    assert all(torch.equal(r.long(), f) for r, f in zip(got, flats, strict=True))
+    book.old_routes  # noqa: B018  (read again: nothing left to wait for)
+    assert waits == [1]
+    book.forget()
+    assert book.old_routes == {}
+
+
 def test_the_mismatch_metrics_by_hand():
     from gspo_ascend.trainer import batch_metrics
 

@@ -292,7 +292,7 @@ def assert_equivalent(name, ranks, want, batch, world, *, lp_tol, update_tol):
             assert (got["log_probs"] - rows).abs().max().item() <= lp_tol, name
         if "weights" in want:
             assert max_diff(got["weights"], want["weights"]) <= update_tol, name
-            for key in ("actor/pg_loss", "actor/grad_norm", "actor/seq_ratio_mean"):
+            for key in ("actor/pg_loss", "actor/grad_norm", "actor/seq_ratio_mean", "actor/entropy_token"):
                 assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=update_tol, abs=update_tol), key
             for key in ("actor/num_tokens", "actor/num_seqs", "actor/clipfrac_seq"):
                 assert got["metrics"].get(key) == pytest.approx(want["metrics"].get(key), abs=1e-12), key

@@ -83,12 +83,16 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _scatter(lp: torch.Tensor, rows: list[int], cols: list[int], shape: tuple[int, int]) -> torch.Tensor:
-    """[B, R] float32 with ``lp`` at (rows, cols) and 0 elsewhere; differentiable w.r.t. ``lp``."""
-    out = lp.new_zeros(shape)
+def _scatter(picked, rows: list[int], cols: list[int], shape: tuple[int, int]):
+    """[B, R] float32 with ``picked`` at (rows, cols) and 0 elsewhere; differentiable w.r.t. ``picked``. A tuple
+    (log-probs, entropies) is scattered member by member, through one upload of the index."""
+    values = picked if isinstance(picked, tuple) else (picked,)
     if not rows:  # keep the graph connected (the dummy position's value times 0): every rank must backward
-        return out + 0.0 * lp.sum()
-    return out.index_put(uploaded(lp.device, torch.tensor(rows), torch.tensor(cols)), lp)
+        outs = tuple(v.new_zeros(shape) + 0.0 * v.sum() for v in values)
+    else:
+        index = uploaded(values[0].device, torch.tensor(rows), torch.tensor(cols))
+        outs = tuple(v.new_zeros(shape).index_put(index, v) for v in values)
+    return outs if isinstance(picked, tuple) else outs[0]
 
 
 def uploaded(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -223,13 +227,7 @@ def forward_log_probs(
         kept = _padded_inputs(model, batch.prompt_ids, responses, device, pad_id)
     with packed_attention.packed_forward(model) if packed else contextlib.nullcontext():
         picked = head_log_probs(model, kept.inputs, kept.labels, temperature, kept.pick, entropy)
-    shape = tuple(batch.response_ids.shape)
-    if not entropy:
-        return _scatter(picked, kept.targets.rows, kept.targets.cols, shape)
-    lp, ent = picked
-    return _scatter(lp, kept.targets.rows, kept.targets.cols, shape), _scatter(
-        ent, kept.targets.rows, kept.targets.cols, shape
-    )
+    return _scatter(picked, kept.targets.rows, kept.targets.cols, tuple(batch.response_ids.shape))
 
 
 def head_log_probs(model, inputs: dict, labels: torch.Tensor, temperature: float, pick, entropy: bool = False):
@@ -240,12 +238,11 @@ def head_log_probs(model, inputs: dict, labels: torch.Tensor, temperature: float
         entropies: list[torch.Tensor] | None = [] if entropy else None
         with fused_logprob.log_prob_head(model, labels, temperature, entropies) as produced:
             logits = model(**inputs).logits
-        if not any(logits is out for out in produced):  # a family that transforms its head's output after all
+        head = next((i for i, out in enumerate(produced) if out is logits), None)
+        if head is None:  # a family that transforms its head's output after all
             raise RuntimeError(
                 f"{type(model).__name__} changed its LM head's output before returning it: remove "
                 f"'{model.config.model_type}' from engines/fused_logprob.py MODEL_TYPES"
             )
-        if entropies is None:
-            return pick(logits)
-        return pick(logits), pick(entropies[[id(out) for out in produced].index(id(logits))])
+        return pick(logits) if entropies is None else (pick(logits), pick(entropies[head]))
     return token_log_probs(pick(model(**inputs).logits), pick(labels), temperature, entropy)

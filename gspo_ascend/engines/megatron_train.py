@@ -117,16 +117,20 @@ def vocab_parallel_entropy(logits: torch.Tensor, micro: _Micro, temperature: flo
             x = logits[micro.rows[rows], micro.positions[rows]].float()  # [chunk, V/TP], a copy
             return x.div_(temperature) if temperature != 1.0 else x
 
-        starts = range(0, n, LOGSUMEXP_CHUNK)
-        top = torch.cat([chunk(a).amax(-1) for a in starts])  # [N]
+        # one pass over each chunk: this rank's max, sum exp(x - max) and sum exp(x - max) x, rescaled to the
+        # group's max after its all-reduce
+        local = torch.empty(3, n, dtype=torch.float32, device=logits.device)
+        for a in range(0, n, LOGSUMEXP_CHUNK):
+            x = chunk(a)
+            part = local[:, a : a + LOGSUMEXP_CHUNK]
+            part[0] = x.amax(-1)
+            e = (x - part[0, :, None]).exp_()
+            part[1] = e.sum(-1)
+            part[2] = e.mul_(x).sum(-1)
+        top = local[0].clone()
         if parallel:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        sums = torch.empty(2, n, dtype=torch.float32, device=logits.device)  # sum exp(x - top), sum exp(x - top) x
-        for a in starts:
-            x = chunk(a)
-            e = (x - top[a : a + LOGSUMEXP_CHUNK, None]).exp_()
-            sums[0, a : a + LOGSUMEXP_CHUNK] = e.sum(-1)
-            sums[1, a : a + LOGSUMEXP_CHUNK] = e.mul_(x).sum(-1)
+        sums = local[1:] * (local[0] - top).exp()  # [2, N]
         if parallel:
             dist.all_reduce(sums, group=group)
         entropy = sums[0].log() + top - sums[1] / sums[0]

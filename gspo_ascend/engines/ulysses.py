@@ -269,8 +269,6 @@ def forward_log_probs(
     }
     picked = head_log_probs(model, inputs, labels, temperature, lambda out: out[0], entropy)
     rows, cols = [targets.rows[j] for j in mine], [targets.cols[j] for j in mine]
-    shape = tuple(batch.response_ids.shape)
+    local = _scatter(picked, rows, cols, tuple(batch.response_ids.shape))
     # the megatron engine's CP sum: all-reduce, identity backward
-    if not entropy:
-        return sum_over_cp(_scatter(picked, rows, cols, shape), sp.group)
-    return tuple(sum_over_cp(_scatter(t, rows, cols, shape), sp.group) for t in picked)
+    return tuple(sum_over_cp(t, sp.group) for t in local) if entropy else sum_over_cp(local, sp.group)

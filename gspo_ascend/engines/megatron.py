@@ -161,6 +161,8 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
         parallel, mode = (self.tp, self.tp_rank, self.cp), cfg.actor.routing_replay
         self.routing = megatron_routing.attach(mode, self.models, self.tconfig, parallel, self.rank == 0)
         self.routes = None if self.routing is None else self.routing.book
+        if self.routes is not None:
+            self.routes.wait = backend.synchronize  # the old forward's routes are downloaded without a wait
         self.layout = mb.HFLayout(self.hf_config)
         self.policy_loss = engine_policy_loss(cfg, backend)  # an attribute so tests can wrap it
         self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)

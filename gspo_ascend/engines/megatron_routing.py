@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gspo_ascend.device import download, upload
 from gspo_ascend.engines import routing
 from gspo_ascend.engines.logprobs import response_lengths
 from gspo_ascend.errors import ConfigError
@@ -119,11 +120,10 @@ def moe_layer_numbers(tconfig: Any) -> list[int]:
 # ----------------------------------------------------------------------------------------------- layout
 
 
-def local_positions(position_ids: torch.Tensor, tp: int, tp_rank: int, sp: bool) -> torch.Tensor:
+def local_positions(positions: torch.Tensor, tp: int, tp_rank: int, sp: bool) -> torch.Tensor:
     """The sequence positions of the rows this rank's routers see, in their order (host int64): the micro-batch's
-    position ids (with CP this rank's zigzag part), cut to the TP rank's contiguous ``S / tp`` part under sequence
-    parallelism (megatron scatters the ``[S, b, H]`` activations along S)."""
-    positions = position_ids[0].cpu()
+    columns' positions (``_Micro.host_positions``; with CP this rank's zigzag part), cut to the TP rank's contiguous
+    ``S / tp`` part under sequence parallelism (megatron scatters the ``[S, b, H]`` activations along S)."""
     if sp and tp > 1:
         part = positions.numel() // tp
         positions = positions[tp_rank * part : (tp_rank + 1) * part]
@@ -164,17 +164,18 @@ def assemble(
 
 
 def _gather_rows(own: torch.Tensor, positions: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's rows of the same sequences (the ranks of ``group`` split them), positions alongside: the
-    group's order does not matter."""
+    """Every rank's rows of the same sequences (the ranks of ``group`` split them), positions alongside (the group's
+    order does not matter), on their way to the host: :func:`~gspo_ascend.device.download`, read only after the
+    device has been waited for (issue #43: a ``.cpu()`` here waited for every micro-batch's forward)."""
     if group is None or dist.get_world_size(group) == 1:
-        return own.cpu(), positions
+        return download(own), positions
     size = dist.get_world_size(group)
     rows = [torch.empty_like(own) for _ in range(size)]
     dist.all_gather(rows, own.contiguous(), group=group)
-    pos = positions.to(own.device)
+    pos = upload(positions, own.device)
     where = [torch.empty_like(pos) for _ in range(size)]
     dist.all_gather(where, pos, group=group)
-    return torch.cat(rows).cpu(), torch.cat(where).cpu()
+    return download(torch.cat(rows)), download(torch.cat(where))
 
 
 def sequence_group(sp: bool, tp: int, cp: int):
@@ -252,9 +253,11 @@ class MegatronRouting:
         backward = torch._C._current_graph_task_id() != -1  # activation recompute inside autograd's backward
         router.router_replay.set_router_replay_action(Action.REPLAY_BACKWARD if backward else Action.REPLAY_FORWARD)
 
-    def _rows(self, micro, routes) -> tuple[list[torch.Tensor], torch.Tensor]:
-        positions = local_positions(micro.position_ids, self.tp, self.tp_rank, self.sp)
-        return place(routes, positions, micro.tokens.shape[0], self.layers, self.k)
+    def _rows(self, micro, routes, device) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:func:`place`'s targets and mask, built on the host and uploaded without a wait (issue #43)."""
+        positions = local_positions(micro.host_positions, self.tp, self.tp_rank, self.sp)
+        targets, given = place(routes, positions, micro.tokens.shape[0], self.layers, self.k)
+        return [upload(t, device) for t in targets], upload(given, device)
 
     @contextlib.contextmanager
     def running(self, phase: str, micros: Sequence[Any], device) -> Iterator[Callable[[Any], None]]:
@@ -273,12 +276,11 @@ class MegatronRouting:
             self._finish_micro()
             replay, compare = plans.get(id(micro), (None, None))
             if self._replaying:
-                for router, target in zip(self.routers, self._rows(micro, replay)[0], strict=True):
-                    router.router_replay.set_target_indices(target.to(device))
+                for router, target in zip(self.routers, self._rows(micro, replay, device)[0], strict=True):
+                    router.router_replay.set_target_indices(target)
             self._micro = micro if micro.sample is not None else None
             if self._micro is not None and compare is not None:
-                targets, given = self._rows(micro, compare)
-                self._compare = ([t.to(device) for t in targets], given.to(device))
+                self._compare = self._rows(micro, compare, device)
 
         self._phase = phase
         try:
@@ -312,13 +314,16 @@ class MegatronRouting:
             agreement.add(layer, matched, compared)
 
     def _remember(self, micro, own: list[torch.Tensor]) -> None:
+        """The micro-batch's own routes into the book, assembled per sample once the host copies have arrived (the
+        book waits for the device once, when the update first reads them)."""
         b = micro.tokens.shape[0]
-        positions = local_positions(micro.position_ids, self.tp, self.tp_rank, self.sp)
+        positions = local_positions(micro.host_positions, self.tp, self.tp_rank, self.sp)
         rows = torch.stack(own, 1).reshape(len(positions), b, len(own), self.k)
         rows, positions = _gather_rows(rows, positions, self.group)
-        sample = micro.sample
+        sample, book = micro.sample, self.book
         fed = [len(p) + n for p, n in zip(sample.prompt_ids, response_lengths(sample), strict=True)]
-        self.book.remember(sample, assemble(rows, positions, fed, self.layers, self.book.layers, self.book.dtype))
+        keys = routing.sample_keys(sample)
+        book.later(lambda: zip(keys, assemble(rows, positions, fed, self.layers, book.layers, book.dtype), strict=True))
 
 
 def attach(mode: str, models: Sequence[torch.nn.Module], tconfig: Any, parallel: tuple[int, int, int], verbose: bool):

@@ -7,8 +7,8 @@ with the non-finite skip rule and fsdp's warm-up. How and why: the module docstr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,10 +32,11 @@ from gspo_ascend.engines.train_common import (
 # ----------------------------------------------------------------------------------------------- micro-batches
 
 
-@dataclass
+@dataclasses.dataclass
 class _Micro:
     """One forward pass: a right-padded [b, S] token block and where each response token's log-prob comes from
-    (row, position predicting it) and goes to (row, column of the [b, R] output)."""
+    (row, position predicting it) and goes to (row, column of the [b, R] output). Built on the host
+    (:func:`_build_micro`, with CP :func:`.megatron_cp.shard_micro`), then moved whole by :func:`_placed`."""
 
     tokens: torch.Tensor  # [b, S] int64
     position_ids: torch.Tensor  # [b, S]
@@ -47,9 +48,11 @@ class _Micro:
     sample: SampleBatch | None = None  # None for a dummy pass
     index: list[int] | None = None  # rows of the (mini)batch this micro-batch holds
     ref_log_probs: torch.Tensor | None = None  # [b, R], with algorithm.kl_coef > 0
+    host_positions: torch.Tensor | None = None  # [S] the columns' sequence positions, on the host (MoE routing)
 
 
-def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, device, index: list[int] | None) -> _Micro:
+def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, index: list[int] | None) -> _Micro:
+    """The micro-batch on the host."""
     lengths = response_lengths(batch)
     seqs = [list(p) + row[:n] for p, row, n in zip(batch.prompt_ids, batch.response_ids.tolist(), lengths, strict=True)]
     width = max(len(s) for s in seqs)
@@ -63,12 +66,11 @@ def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, device, index: 
         cols += range(n)
         labels += seq[len(prompt) :]
 
-    host = (torch.tensor(values, dtype=torch.long) for values in (rows, positions, cols, labels))
-    tokens, rows_t, positions_t, cols_t, labels_t = uploaded(device, tokens, *host)
+    rows_t, positions_t, cols_t, labels_t = (torch.tensor(v, dtype=torch.long) for v in (rows, positions, cols, labels))
     b, r = batch.response_ids.shape
     return _Micro(
         tokens=tokens,
-        position_ids=torch.arange(width, device=device).expand(len(seqs), width),
+        position_ids=torch.arange(width).expand(len(seqs), width),
         rows=rows_t,
         positions=positions_t,
         cols=cols_t,
@@ -76,6 +78,26 @@ def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, device, index: 
         shape=(b, r),
         sample=batch if index is not None else None,
         index=index,
+    )
+
+
+def _placed(micro: _Micro, device) -> _Micro:
+    """A host-built micro-batch on ``device``, every tensor through the device layer's ``upload`` (issue #43: built
+    on the device, or sharded there for CP with a boolean mask, each would be a copy or read the host waits on); its
+    columns' positions stay on the host too, for the MoE routers' targets (megatron_routing.py)."""
+    b, width = micro.tokens.shape
+    host_positions = micro.position_ids[0]
+    fields = (micro.tokens, host_positions, micro.rows, micro.positions, micro.cols, micro.labels)
+    tokens, position_ids, rows, positions, cols, labels = uploaded(device, *fields)
+    return dataclasses.replace(
+        micro,
+        tokens=tokens,
+        position_ids=position_ids.expand(b, width),
+        rows=rows,
+        positions=positions,
+        cols=cols,
+        labels=labels,
+        host_positions=host_positions,
     )
 
 
@@ -167,15 +189,15 @@ class MegatronTrainStep:
         passes = int(self._all_reduce([len(parts)], dist.ReduceOp.MAX)[0])
         micros = []
         for part, index in zip(parts, plan.groups, strict=True):
-            micro = _build_micro(part, self.pad_id, self.seq_multiple, self.device, index)
+            micro = _build_micro(part, self.pad_id, self.seq_multiple, index)
             micro.ref_log_probs = None if ref is None else uploaded(self.device, ref[index])[0]
             micros.append(micro)
         dummy = _dummy_batch(self.pad_id)  # every pass is a collective (TP, PP, EP): ranks run the same count
-        micros += [_build_micro(dummy, self.pad_id, 1, self.device, None) for _ in range(passes - len(parts))]
-        if self.cp > 1:  # this rank's zigzag part of every micro-batch (megatron_cp.py)
+        micros += [_build_micro(dummy, self.pad_id, 1, None) for _ in range(passes - len(parts))]
+        if self.cp > 1:  # this rank's zigzag part of every micro-batch (megatron_cp.py), cut on the host
             micros = [cp_support.shard_micro(m, self.cp, self.cp_rank, self.seq_multiple, self.pad_id) for m in micros]
         self._oversized = plan.oversized
-        return micros
+        return [_placed(m, self.device) for m in micros]
 
     def _schedule(self, models, micros: list[_Micro], forward_only: bool, loss_fn, phase: str | None = None) -> None:
         """One pass of megatron's forward(-backward) schedule (1F1B with PP > 1) over ``micros``. ``phase``: the
@@ -224,8 +246,8 @@ class MegatronTrainStep:
             model.eval()
         with torch.no_grad():
             self._schedule(models, self._micros(batch), True, loss_fn, phase)
-        for index, lp in done:
-            out[index] = lp.cpu()
+        if done:  # one read for the whole batch, not one per micro-batch
+            out[[i for index, _ in done for i in index]] = torch.cat([lp for _, lp in done]).cpu()
         if self.pp > 1:  # only the last stage computed them
             moved = out.to(self.device)
             dist.broadcast(moved, src=dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)

@@ -25,7 +25,7 @@ replayed weights are recomputed from the router's weight, one [tokens, experts] 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -238,7 +238,7 @@ class ReplayBook:
         self.mode, self.layers, self.k = mode, layers, k
         self.dtype = route_dtype(num_experts)
         self._old_routes: dict = {}
-        self._unread: list = []  # old forwards' routes on their way to the host (:meth:`remember_flat`)
+        self._unread: list[Callable[[], Iterable]] = []  # old forwards' routes on their way to the host (:meth:`later`)
         self.wait: Callable[[], None] | None = None  # the engine's device synchronisation, before reading them
         self.rollout, self.update = Agreement(), Agreement()
 
@@ -248,14 +248,19 @@ class ReplayBook:
 
     @property
     def old_routes(self) -> dict:
-        """The last old forward's routes by sample (:func:`sample_key`), on the host; the copies :meth:`remember_flat`
-        started are waited for here, once (one device synchronisation, not one per micro-batch)."""
+        """The last old forward's routes by sample (:func:`sample_key`), on the host; the copies :meth:`later` was
+        handed are waited for here, once (one device synchronisation, not one per micro-batch)."""
         if self._unread and self.wait is not None:
             self.wait()
-        for keys, flat, starts, lengths in self._unread:
-            self._old_routes.update(zip(keys, split(flat, starts, lengths, self.dtype), strict=True))
+        for finish in self._unread:
+            self._old_routes.update(finish())
         self._unread = []
         return self._old_routes
+
+    def later(self, finish: Callable[[], Iterable]) -> None:
+        """Routes whose host copies are still on their way (:func:`~gspo_ascend.device.download`): ``finish`` turns
+        them into ``(sample key, routes)`` pairs once :attr:`old_routes` has waited for the device."""
+        self._unread.append(finish)
 
     def targets(self, batch, phase: str) -> tuple[list | None, list | None]:
         """(replay, compare) per-sample routes for a forward of ``phase`` over ``batch``."""
@@ -283,7 +288,8 @@ class ReplayBook:
         held dtype (one byte a route up to 256 experts) and copied to pinned host memory without waiting, so neither
         the device keeps a micro-batch's routes nor the host waits per micro-batch for them (issue #43); read when the
         update first asks (:attr:`old_routes`)."""
-        self._unread.append((sample_keys(batch), download(flat.to(self.dtype)), starts, lengths))
+        keys, host = sample_keys(batch), download(flat.to(self.dtype))
+        self.later(lambda: zip(keys, split(host, starts, lengths, self.dtype), strict=True))
 
     def remember(self, batch, routes: list[torch.Tensor]) -> None:
         self.old_routes.update(zip(sample_keys(batch), routes, strict=True))

@@ -20,6 +20,8 @@ watched), and a read written ``.to("cpu")`` cannot be told from a same-device ``
 from __future__ import annotations
 
 import collections
+import importlib.util
+import json
 import traceback
 import weakref
 
@@ -33,6 +35,7 @@ from tests.unit.fsdp_worker import engine_config, make_batch, reference_log_prob
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
+OURS_NOT = ("/torch/", "cuda_redirect.py")  # a sync is charged to the caller of torch (and of the CUDA->CPU shim)
 READS = {"tolist", "item", "cpu", "numpy", "nonzero", "__bool__", "__float__", "__int__", "__index__"}
 FACTORIES = {"tensor", "as_tensor"}
 
@@ -58,7 +61,7 @@ class SyncWatch(TorchFunctionMode):
         )
 
     def _record(self, kind: str) -> None:
-        ours = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename]
+        ours = [f for f in traceback.extract_stack()[:-2] if not any(part in f.filename for part in OURS_NOT)]
         where = ours[-1]
         self.events[(kind, f"{where.filename.rsplit('/', 2)[-1]}:{where.lineno}")] += 1
 
@@ -84,13 +87,15 @@ def _names_a_device(args, kwargs) -> bool:
     return any(isinstance(a, (torch.device, str)) for a in (*args[1:], kwargs.get("device")))
 
 
-def _watched(monkeypatch, engine) -> SyncWatch:
+def _watched(monkeypatch, models, modules=()) -> SyncWatch:
+    """A watch over ``models``' tensors, with ``upload`` in the engine modules that use it (and ``modules``)
+    marking what it returns."""
     import gspo_ascend.engines.logprobs as logprobs
     import gspo_ascend.engines.routing as routing
 
     watch = SyncWatch()
-    watch.mark([*engine.model.parameters(), *engine.model.buffers()])
-    for module in (logprobs, routing):
+    watch.mark([t for m in models for t in (*m.parameters(), *torch.nn.Module.buffers(m))])  # megatron DDP: .buffers
+    for module in (logprobs, routing, *modules):
         real = getattr(module, "upload", None)  # main before #43 had none
         if real is None:
             continue
@@ -133,7 +138,7 @@ def _events(monkeypatch, model_path, batch, budget: int, *extra: str):
     overrides.append(f"actor.max_tokens_per_micro_batch={budget}")
     engine = FSDPEngine(engine_config(*overrides), get_backend("cpu"), model_path)
     engine.update(batch, 1.0)  # first-call work (optimizer state, lazy inits) is not the loop's
-    watch = _watched(monkeypatch, engine)
+    watch = _watched(monkeypatch, [engine.model])
     with watch:
         micros = len(engine._micro_batches(batch)[0])
         engine.compute_log_probs(batch, 1.0)
@@ -175,3 +180,71 @@ def test_the_watch_sees_a_sync_in_the_loop(monkeypatch, model_path, batch):
     micros, events = _events(monkeypatch, model_path, batch, 20)
     ours = sum(n for (kind, where), n in events.items() if kind == "read __float__" and where.startswith("test_host"))
     assert ours == micros
+
+
+# ----------------------------------------------------------------------------------------------- megatron
+
+MEGATRON = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None,
+    reason="megatron-core / mbridge are not installed",
+)
+
+
+def megatron_events(micro_batch_size: int) -> tuple[int, dict]:
+    """In the worker: the megatron engine on the tiny Qwen3-MoE with r2 routing replay (so the routers' targets,
+    their agreement counts and the old forward's routes are all on the watched path), one old-log-prob pass and one
+    update; (micro-batches, events)."""
+    from gspo_ascend.config import load_config
+    from gspo_ascend.engines import megatron_routing, megatron_train
+    from gspo_ascend.engines.megatron import MegatronEngine
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    overrides = ["actor.engine=megatron", "actor.routing_replay=r2", "data.train_batch_size=8", "actor.lr=1e-3"]
+    overrides += ["algorithm.minibatches_per_rollout=1", f"actor.micro_batch_size={micro_batch_size}"]
+    engine = MegatronEngine(load_config(None, overrides), get_backend("cpu"), str(ensure_tiny_model(moe=True)))
+    batch = make_batch(8, 6, seed=5, min_response=2)
+    engine.update(batch.replace(old_log_probs=engine.compute_log_probs(batch, 1.0)), 1.0)  # first-call work
+    micros = len(engine._micros(batch))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        watch = _watched(monkeypatch, engine.models, (megatron_routing, megatron_train))
+        with watch:
+            old = engine.compute_log_probs(batch, 1.0)
+            engine.update(batch.replace(old_log_probs=old), 1.0)
+    engine.close()
+    return micros, dict(watch.events)
+
+
+# megatron-core's dropless MoE reads each layer's tokens per expert in every forward, its design and not ours: the
+# split sizes of its unfused permutation (moe_utils.py ``sort_chunks_by_idxs``) and its experts' GEMMs
+# (experts.py: SequentialMLP and TEGroupedMLP alike), 14 reads per micro-batch on the tiny MoE
+MEGATRON_MOE = ("moe_utils.py:", "experts.py:")
+
+
+@pytest.mark.slow
+@MEGATRON
+def test_megatron_host_syncs_do_not_grow_with_micro_batches(tmp_path):
+    """The megatron engine in a worker process (it installs the CUDA->CPU shim, which this process must not get).
+    On main before this test it grew per micro-batch by 3 in the old forward (the routers' positions read back,
+    their targets uploaded with ``.to``, the routes kept read back) and 2 in the update, and the log-probs' read."""
+    from tests.integration.launch import launch_ranks
+
+    launch_ranks(1, [__file__, "--out", str(tmp_path)], "host_syncs", tmp_path, 300)
+    found = json.loads((tmp_path / "events.json").read_text())
+    (one_micro, few), (many_micros, many) = ((n, {tuple(k): v for k, v in e}) for n, e in found)
+    assert one_micro == 1 and many_micros == 8
+    grown = {key: many[key] - few.get(key, 0) for key in many if many[key] > few.get(key, 0)}
+    ours = {key: n for key, n in grown.items() if not key[1].startswith(MEGATRON_MOE)}
+    assert not ours, f"host syncs per micro-batch ({many_micros} micro-batches vs 1): {ours}"
+    assert grown, "megatron-core's own MoE reads were not seen: the watch missed the experts"
+
+
+if __name__ == "__main__":
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    out = parser.parse_args().out
+    torch.set_num_threads(1)
+    runs = [megatron_events(size) for size in (8, 1)]
+    (out / "events.json").write_text(json.dumps([(n, [(list(k), v) for k, v in e.items()]) for n, e in runs]))

@@ -376,7 +376,7 @@ def test_rows_placed_for_every_ranks_part_assemble_back_to_the_routes(tp, cp):
     for c in range(cp):
         ids = zigzag_index(width, cp, c) if cp > 1 else torch.arange(width)
         for t in range(tp):
-            positions = mr.local_positions(ids.expand(3, -1), tp, t, sp=tp > 1)
+            positions = mr.local_positions(ids, tp, t, sp=tp > 1)
             assert positions.numel() == width // (tp * cp)
             targets, given = mr.place(routes, positions, 3, [0, 2], K)  # a stage holding layers 0 and 2
             assert targets[0].shape == (positions.numel() * 3, K)

@@ -151,8 +151,9 @@ def _tensor_type(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
-        if dtype is None:
-            return original(self).replace("torch.", "torch.cuda.", 1)
+        if dtype is None:  # under a TorchFunctionMode, original(self) reaches the mode as this wrapper: once only
+            name = original(self)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if isinstance(dtype, str):
             dtype = dtype.replace("torch.cuda.", "torch.", 1)
         return original(self, dtype, non_blocking, **kwargs)

@@ -36,10 +36,11 @@ Engine differences that matter for the numbers:
 
 * fsdp packs every micro-batch into one row (no padding) and applies the LM head only at positions that predict a
   response token (``logits_to_keep``).
-* megatron ignores ``actor.use_remove_padding`` (packing needs Transformer Engine's THD attention): its micro-batches
-  are the same first-fit-decreasing groups by real tokens (``actor.max_tokens_per_micro_batch`` counts prompt +
-  response tokens, not padding), each right-padded to its longest sample, ``[b, S]``, so a pass computes
-  ``b x S >= `` the budget's tokens; and its output layer runs at every position. ``processed_tokens_per_step``
+* megatron packs each micro-batch into one THD row too (megatron-core's ``PackedSeqParams``; issue #43), but its
+  output layer runs at every position.
+* ``--padded`` (``actor.use_remove_padding=false``, both engines): the same first-fit-decreasing groups by real
+  tokens (``actor.max_tokens_per_micro_batch`` counts prompt + response tokens, not padding), each right-padded to
+  its longest sample, ``[b, S]``, so a pass computes ``b x S >=`` the budget's tokens. ``processed_tokens_per_step``
   reports the padded count; tokens/s and MFU count real tokens only.
 
 FLOPs per token (model FLOPs, the MFU convention of Megatron-LM, Narayanan et al. 2021, arXiv 2104.04473, section
@@ -187,6 +188,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-length", type=int, default=None)
     p.add_argument("--max-response-length", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--padded", action="store_true", help="right-padded micro-batches (actor.use_remove_padding=false)")
     p.add_argument("--profile", action="store_true", help="after the timed steps, profile one more: top ops on stderr")
     args = p.parse_args(argv)
     if (
@@ -258,7 +260,7 @@ def overrides(args: argparse.Namespace, model_dir: Path) -> list[str]:
         f"trainer.device={args.device}",
         f"trainer.seed={args.seed}",
         f"actor.engine={args.engine}",
-        "actor.use_remove_padding=true",
+        f"actor.use_remove_padding={str(not args.padded).lower()}",
         f"actor.max_tokens_per_micro_batch={args.tokens_per_micro_batch}",
         f"data.train_batch_size={args.samples}",
         f"data.max_prompt_length={args.prompt_length}",
@@ -292,13 +294,13 @@ def model_flops(spec, lengths: list[int]) -> dict[str, float]:
     }
 
 
-def processed_tokens(batch, engine: str, budget: int) -> tuple[int, int]:
-    """(tokens the passes compute, micro-batches): the engines' own plan; megatron pads each to its longest."""
+def processed_tokens(batch, padded: bool, budget: int) -> tuple[int, int]:
+    """(tokens the passes compute, micro-batches): the engines' own plan; padded, each micro-batch to its longest."""
     from gspo_ascend.engines.microbatch import plan_micro_batches, sample_tokens
 
     plan = plan_micro_batches(batch, max_tokens=budget)
     sizes = sample_tokens(batch)
-    if engine == "fsdp":  # packed rows: exactly the samples' tokens
+    if not padded:  # packed rows: exactly the samples' tokens
         return sum(sizes), len(plan)
     return sum(len(g) * max(sizes[i] for i in g) for g in plan.groups), len(plan)
 
@@ -313,7 +315,7 @@ def attention_name(engine: str, attn: str, backend) -> str:
         return "megatron local spec under MindSpeed (npu_fusion_attention)"
     if backend.name == "cuda" and megatron_bridge.transformer_engine_available():
         return "megatron TE spec"
-    return "megatron local spec (DotProductAttention: unfused, [b, heads, S, S] scores)"
+    return "megatron local spec (SDPACoreAttention: fused SDPA, per sequence when packed; varlen on CUDA)"
 
 
 def peak_tflops(name: str) -> float | None:
@@ -440,7 +442,7 @@ def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     warmup, *timed = raw["batches"]
     lengths = [sequence_lengths(b) for b in timed]
     tokens = [sum(n) for n in lengths]
-    pairs = [processed_tokens(b, args.engine, args.tokens_per_micro_batch) for b in timed]
+    pairs = [processed_tokens(b, args.padded, args.tokens_per_micro_batch) for b in timed]
     processed, planned = [p for p, _ in pairs], [n for _, n in pairs]
     engine_counts = [int(m.get("actor/micro_batches", p)) for m, p in zip(raw["metrics"], planned, strict=True)]
     step_flops = [model_flops(spec, n)["per_token"] * t for n, t in zip(lengths, tokens, strict=True)]

@@ -15,10 +15,14 @@ gradient is exactly the gradient of the global minibatch loss, at any TP / PP / 
 Data. Like fsdp, every rank is handed its own shard (the driver splits the batch over all ranks). The ranks of
 one model-parallel group (TP x PP) must run the same samples, so the engine all-gathers their shards (minibatch
 j of the group = the ranks' minibatch j, in group order) and each rank returns its own rows. Micro-batches are
-right-padded [b, S] with a causal mask (right padding never reaches earlier positions), because packed
-sequences need Transformer Engine's THD attention: ``actor.use_remove_padding`` is ignored here. Micro-batch
-counts are equalised over all ranks with zero-weight dummy passes (MoE expert-parallel all-to-alls are
-collectives across data-parallel ranks). With ``actor.context_parallel_size`` > 1 the group is TP x CP, each
+packed with ``actor.use_remove_padding`` (the default) and CP 1: one row of the sequences end to end (megatron's
+THD format, ``PackedSeqParams`` with their boundaries; RoPE restarts per sequence from them), which every core
+attention we build takes: ours without TE (one causal attention per sequence, one varlen call per layer on CUDA in
+half precision; :mod:`.megatron_attention`), MindSpeed's flash attention (TND, the same boundaries), Transformer
+Engine's. Otherwise (``use_remove_padding: false``, or CP > 1, whose zigzag layout is per padded row: said once)
+right-padded [b, S] with a causal mask (right padding never reaches earlier positions). Micro-batch counts are
+equalised over all ranks with zero-weight dummy passes (MoE expert-parallel all-to-alls are collectives across
+data-parallel ranks). With ``actor.context_parallel_size`` > 1 the group is TP x CP, each
 micro-batch is cut into Megatron's zigzag layout and log-probs are summed over CP: see :mod:`.megatron_cp`.
 
 Log-probs are vocab-parallel: the LM head's output stays sharded over TP and ``log_softmax(logits / T)[y]`` comes
@@ -143,7 +147,8 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
         self.owns_parallel_state = self._init_parallel_state()
         self._init_groups()
         use_te = backend.name == "cuda" and mb.transformer_engine_available()
-        self.rename = not use_te  # local-spec names -> TE names for mbridge
+        self.rename, self.use_te = not use_te, use_te  # rename: local-spec names -> TE names for mbridge
+        self.packed = self._packed(cfg)
         overrides = _transformer_overrides(cfg, backend, self.moe, use_te)
         overrides.update(cp_support.transformer_overrides(cfg, backend, use_te))
         self.bridge = mb.make_bridge(self.hf_config, self.compute_dtype, overrides, use_te)
@@ -174,6 +179,18 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
             self._offload.to_host(OFFLOAD_PARTS)
 
     # ------------------------------------------------------------------------------------------- set-up
+
+    def _packed(self, cfg: Config) -> bool:
+        """Packed THD micro-batches (``actor.use_remove_padding``): without CP every core attention we build takes
+        them (ours, MindSpeed's flash attention, TE's). With CP > 1 the zigzag layouts are per padded row, so the
+        micro-batches stay padded, said once."""
+        if cfg.actor.use_remove_padding and self.cp > 1 and self.rank == 0:
+            print(
+                "note: actor.use_remove_padding: with actor.context_parallel_size > 1 the megatron engine runs "
+                "right-padded micro-batches (packed THD needs context_parallel_size 1)",
+                flush=True,
+            )
+        return bool(cfg.actor.use_remove_padding) and self.cp == 1
 
     def _init_parallel_state(self) -> bool:
         from megatron.core import parallel_state, tensor_parallel

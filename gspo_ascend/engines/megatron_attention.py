@@ -11,6 +11,12 @@ CUDA in half precision, the flash CPU kernel on the host; GQA through ``enable_g
 has no fused kernel for the call (fp32 on CUDA, a head dimension over 256, some GQA cases on the memory-efficient
 backend) it falls back to its math kernel, which does keep the scores, as the spec did.
 
+Packed micro-batches (megatron's THD format, the engine's default: ``PackedSeqParams`` with the sequences'
+boundaries, which the engine passes on the host): megatron-core hands the core attention ``[t, heads, hn]`` and the
+boundaries; each sequence attends causally within itself, one SDPA call per sequence (the fsdp engine's packed path
+does the same, engines/packed_attention.py), or on CUDA in half precision one ``varlen_attn`` call per layer over the
+whole row. The local spec's ``DotProductAttention`` refuses packed input.
+
 Where it runs (engines/megatron.py): the local spec without MindSpeed and without context parallelism, that is a
 GPU without TE, and the CPU. Not under MindSpeed, which patches ``DotProductAttention.forward`` itself with the
 NPU's fused attention; not with CP > 1 (megatron_cp.AllGatherKVAttention); not with TE (its own fused attention).
@@ -29,10 +35,12 @@ run a fused attention.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
 
+from gspo_ascend.engines import packed_attention
 from gspo_ascend.engines.megatron_cp import LocalCoreAttention, use_core_attention
 from gspo_ascend.errors import ConfigError
 
@@ -56,9 +64,11 @@ class SDPACoreAttention(LocalCoreAttention):
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
-        # query [sq, b, np, hn], key / value [sk, b, ng, hn] -> [sq, b, np * hn]
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise NotImplementedError("SDPACoreAttention takes causal attention without masks, biases or packing")
+        # query [sq, b, np, hn], key / value [sk, b, ng, hn] -> [sq, b, np * hn]; THD: [t, np, hn] -> [t, np * hn]
+        if attention_mask is not None or attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention takes causal attention without masks or biases")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         extra: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         p = self.dropout_p if self.training else 0.0
@@ -67,6 +77,37 @@ class SDPACoreAttention(LocalCoreAttention):
                 q, k, v, dropout_p=p, is_causal=True, scale=self.scale, **extra
             )
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    def _packed(self, query, key, value, params):
+        """THD: each sequence of the packed row attends causally within itself. On CUDA in half precision one
+        ``varlen_attn`` call over the row (engines/packed_attention.py); elsewhere one SDPA call per sequence."""
+        if params.qkv_format != "thd" or params.cu_seqlens_q_padded is not None:
+            raise NotImplementedError("SDPACoreAttention takes THD packing without per-sequence padding")
+        cu = params.cu_seqlens_q
+        if params.cu_seqlens_kv is not cu and not torch.equal(params.cu_seqlens_kv, cu):
+            raise NotImplementedError("SDPACoreAttention takes packed self-attention (the same query and key bounds)")
+        bounds = cu.tolist()  # the engine passes them on the host (megatron_train._placed): no device read
+        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            raise ValueError(
+                f"cu_seqlens {bounds[:3]}...{bounds[-1:]} does not cover the packed row of {query.shape[0]}"
+            )
+        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, t, hn]
+        p = self.dropout_p if self.training else 0.0
+        if p == 0.0 and packed_attention.varlen_applies(self, q, {}):
+            out = packed_attention.varlen_forward(q, k, v, cu, bounds, {"scaling": self.scale})[0]  # [1, t, np, hn]
+            return out.reshape(query.shape[0], -1)
+        extra: dict[str, Any] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        lengths = [end - start for start, end in itertools.pairwise(bounds)]
+        outs = []
+        with _dropout_rng(p, self.sequence_parallel):
+            # split, not one slice per sequence: split's backward is one cat (packed_attention.attention_forward)
+            for qi, ki, vi in zip(*(t.split(lengths, dim=2) for t in (q, k, v)), strict=True):
+                outs.append(
+                    torch.nn.functional.scaled_dot_product_attention(
+                        qi, ki, vi, dropout_p=p, is_causal=True, scale=self.scale, **extra
+                    )
+                )
+        return torch.cat(outs, dim=2)[0].permute(1, 0, 2).reshape(query.shape[0], -1)
 
 
 def _dropout_rng(p: float, sequence_parallel: bool):

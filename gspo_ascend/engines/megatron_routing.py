@@ -5,8 +5,9 @@ GPTModel.
 
 Replay is megatron-core's own ``RouterReplay`` (``megatron/core/transformer/moe/router_replay.py``, megatron-core
 0.16; ``moe_enable_routing_replay`` gives every ``TopKRouter`` one). Before each micro-batch's forward every router of
-the policy is handed its target experts, ``[S * b, k]`` int64 in megatron's token order (the ``[S, b]`` activations
-flattened, row ``s * b + j`` = position s of sample j). Megatron's top-k routing then takes those experts and the gate
+the policy is handed its target experts, ``[rows, k]`` int64 in megatron's token order (:func:`row_map`: a padded
+micro-batch's ``[S, b]`` activations flattened, row ``s * b + j`` = position s of sample j; a packed THD row's tokens
+in order). Megatron's top-k routing then takes those experts and the gate
 weights from the *current* logits (Qwen3-MoE, ``moe_router_pre_softmax=False``: the softmax over the k replayed
 logits, i.e. re-normalised like HF's ``norm_topk_prob``), so the router still learns. The registry
 ``RouterReplay.global_router_replay_instances`` mixes the policy's routers with the KL reference's; we never use its
@@ -22,21 +23,22 @@ Activation recompute (``actor.recompute``) re-runs a router in backward: a forwa
 there (RouterReplay pops the targets of the micro-batches in the order they were set, which is the order their
 backwards run in every schedule), ``REPLAY_FORWARD`` otherwise; the own-choice wrapper skips those re-runs.
 
-A token without a route (padding, the rollout's last sampled token, a dummy pass) gets the filler experts 0..k-1:
-megatron's replay needs a target for every row, and no loss reads those rows' outputs (right padding and a sample's
-last token come after every position the loss reads, under a causal mask; mbridge's Qwen-MoE has no capacity limit
-and no load-balancing loss that would couple tokens). The agreement counts leave those rows out.
+A token without a route (padding, a packed row's padding sequence, the rollout's last sampled token, a dummy pass)
+gets the filler experts 0..k-1: megatron's replay needs a target for every row, and no loss reads those rows'
+outputs (padding and a sample's last token come after every position the loss reads, under a causal mask; mbridge's
+Qwen-MoE has no capacity limit and no load-balancing loss that would couple tokens). The agreement counts leave
+those rows out.
 
 Parallelism. PP: a stage's routers are its layers (the MoE layer ordinal from the router's global layer number);
-SP: a router sees its TP rank's contiguous ``S / tp`` positions; CP: this rank's zigzag positions (the micro-batch's
+SP: a router sees its TP rank's contiguous ``1 / tp`` of the rows; CP: this rank's zigzag positions (the micro-batch's
 position ids, :mod:`.megatron_cp`). The old forward's own routes are gathered over the ranks that split a sequence
 (TP with SP, CP) before they are kept per sample; each pipeline stage keeps only its own layers (the others stay 0:
 no stage reads another's).
 
-How we differ from verl's megatron actor (``verl/utils/megatron/router_replay_*``): megatron-core's own RouterReplay,
-not a copy patched into ``TopKRouter``; the old forward's routes stay in the engine, found again by the sample's tokens
-(:class:`~.routing.ReplayBook`), instead of riding back through the driver; right-padded ``[b, S]`` micro-batches, not
-packed THD sequences; the agreement with the rollout and within the update is measured in every MoE run.
+How we differ from verl's megatron actor (``verl/utils/megatron/router_replay_*``): megatron-core's own
+RouterReplay, not a copy patched into ``TopKRouter``; the old forward's routes stay in the engine, found again by
+the sample's tokens (:class:`~.routing.ReplayBook`), instead of riding back through the driver; the agreement with
+the rollout and within the update is measured in every MoE run.
 
 megatron-core 0.12.1 (the previous NPU line) has no RouterReplay: replay is refused there with one line; the agreement
 is still measured (it only needs ``gating``).
@@ -120,62 +122,86 @@ def moe_layer_numbers(tconfig: Any) -> list[int]:
 # ----------------------------------------------------------------------------------------------- layout
 
 
-def local_positions(positions: torch.Tensor, tp: int, tp_rank: int, sp: bool) -> torch.Tensor:
-    """The sequence positions of the rows this rank's routers see, in their order (host int64): the micro-batch's
-    columns' positions (``_Micro.host_positions``; with CP this rank's zigzag part), cut to the TP rank's contiguous
-    ``S / tp`` part under sequence parallelism (megatron scatters the ``[S, b, H]`` activations along S)."""
+def row_map(micro: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sample, position) of every row megatron's routers see in ``micro``, in their order, on the host (before the
+    SP cut): a padded ``[b, S]`` block is ``[S, b]`` flattened, row ``s * b + j`` = position ``host_positions[s]``
+    (with CP this rank's zigzag part) of sample j; a packed ``[1, T]`` row (THD) is its tokens in order, row t = the
+    sequence holding t at its position there. Rows of no sample (the packed row's padding) have sample -1."""
+    if micro.cu_seqlens is None:
+        b = micro.tokens.shape[0]
+        return torch.arange(b).repeat(len(micro.host_positions)), micro.host_positions.repeat_interleave(b)
+    lengths = torch.tensor(micro.cu_seqlens).diff()
+    samples = torch.arange(len(lengths)).repeat_interleave(lengths)
+    samples[samples >= micro.shape[0]] = -1
+    return samples, micro.host_positions
+
+
+def local_rows(rows: torch.Tensor, tp: int, tp_rank: int, sp: bool) -> torch.Tensor:
+    """This TP rank's part of a micro-batch's rows (:func:`row_map`): under sequence parallelism megatron scatters
+    the ``[S, b, H]`` activations along S, so each rank's routers see a contiguous ``1 / tp`` of the rows."""
     if sp and tp > 1:
-        part = positions.numel() // tp
-        positions = positions[tp_rank * part : (tp_rank + 1) * part]
-    return positions
+        part = rows.shape[0] // tp
+        rows = rows[tp_rank * part : (tp_rank + 1) * part]
+    return rows
 
 
 def place(
-    routes: Sequence[torch.Tensor | None] | None, positions: torch.Tensor, b: int, layers: Sequence[int], k: int
+    routes: Sequence[torch.Tensor | None] | None,
+    samples: torch.Tensor,
+    positions: torch.Tensor,
+    layers: Sequence[int],
+    k: int,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Per MoE layer in ``layers`` the ``[len(positions) * b, k]`` int64 targets of a micro-batch's rows (row
-    ``s * b + j``: position ``positions[s]`` of sample j; ``routes[j]`` is sample j's ``[tokens, all layers, k]``),
-    and which rows have a route. Rows without one get the filler 0..k-1 (module docstring)."""
-    block = torch.arange(k).expand(len(positions), b, len(layers), k).clone()
-    given = torch.zeros(len(positions), b, dtype=torch.bool)
+    """Per MoE layer in ``layers`` the ``[rows, k]`` int64 targets of a micro-batch's rows (row i: position
+    ``positions[i]`` of sample ``samples[i]``; ``routes[j]`` is sample j's ``[tokens, all layers, k]``), and which
+    rows have a route. Rows without one get the filler 0..k-1 (module docstring)."""
+    block = torch.arange(k).expand(len(samples), len(layers), k).clone()
+    given = torch.zeros(len(samples), dtype=torch.bool)
     for j, r in enumerate(routes or []):
         if r is None:
             continue
-        here = positions < r.shape[0]
-        block[here, j] = r[positions[here]][:, list(layers)].long()
-        given[here, j] = True
-    return [block[:, :, i].reshape(-1, k) for i in range(len(layers))], given.reshape(-1)
+        here = (samples == j) & (positions < r.shape[0])
+        block[here] = r[positions[here]][:, list(layers)].long()
+        given |= here
+    return [block[:, i] for i in range(len(layers))], given
 
 
 def assemble(
-    own: torch.Tensor, positions: torch.Tensor, lengths: Sequence[int], layers: Sequence[int], total: int, dtype
+    own: torch.Tensor,
+    samples: torch.Tensor,
+    positions: torch.Tensor,
+    lengths: Sequence[int],
+    layers: Sequence[int],
+    total: int,
+    dtype,
 ) -> list[torch.Tensor]:
-    """The inverse of :func:`place`: rows ``own`` ``[len(positions), b, len(layers), k]`` (every rank's part of the
-    sequences, gathered) -> per sample j its first ``lengths[j]`` positions' routes ``[n, total, k]`` in ``dtype``;
-    layers outside ``layers`` (another pipeline stage's) stay 0."""
+    """The inverse of :func:`place`: rows ``own`` ``[rows, len(layers), k]`` (every rank's part of the sequences,
+    gathered) -> per sample j its first ``lengths[j]`` positions' routes ``[n, total, k]`` in ``dtype``; layers
+    outside ``layers`` (another pipeline stage's) stay 0."""
     out = []
     index = torch.as_tensor(list(layers), dtype=torch.long)
     for j, n in enumerate(lengths):
-        here = positions < n
+        here = (samples == j) & (positions < n)
         routes = torch.zeros(n, total, own.shape[-1], dtype=dtype)
-        routes[positions[here].unsqueeze(1), index] = own[here, j].to(dtype)
+        routes[positions[here].unsqueeze(1), index] = own[here].to(dtype)
         out.append(routes)
     return out
 
 
-def _gather_rows(own: torch.Tensor, positions: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's rows of the same sequences (the ranks of ``group`` split them), positions alongside (the group's
-    order does not matter), on their way to the host: :func:`~gspo_ascend.device.download`, read only after the
-    device has been waited for (issue #43: a ``.cpu()`` here waited for every micro-batch's forward)."""
+def _gather_rows(own: torch.Tensor, where: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's rows of the same sequences (the ranks of ``group`` split them), their ``[rows, 2]`` (sample,
+    position) alongside (the group's order does not matter), on their way to the host:
+    :func:`~gspo_ascend.device.download`, read only after the device has been waited for (issue #43: a ``.cpu()``
+    here waited for every micro-batch's forward)."""
     if group is None or dist.get_world_size(group) == 1:
-        return download(own), positions
+        return download(own), where
     size = dist.get_world_size(group)
     rows = [torch.empty_like(own) for _ in range(size)]
     dist.all_gather(rows, own.contiguous(), group=group)
-    pos = upload(positions, own.device)
-    where = [torch.empty_like(pos) for _ in range(size)]
-    dist.all_gather(where, pos, group=group)
-    return download(torch.cat(rows)), download(torch.cat(where))
+    moved = upload(where, own.device)
+    wheres = [torch.empty_like(moved) for _ in range(size)]
+    dist.all_gather(wheres, moved, group=group)
+    return download(torch.cat(rows)), download(torch.cat(wheres))
 
 
 def sequence_group(sp: bool, tp: int, cp: int):
@@ -253,10 +279,14 @@ class MegatronRouting:
         backward = torch._C._current_graph_task_id() != -1  # activation recompute inside autograd's backward
         router.router_replay.set_router_replay_action(Action.REPLAY_BACKWARD if backward else Action.REPLAY_FORWARD)
 
+    def _where(self, micro) -> torch.Tensor:
+        """``[rows, 2]``: (sample, position) of the rows this rank's routers see (:func:`row_map`, SP-cut)."""
+        return local_rows(torch.stack(row_map(micro), 1), self.tp, self.tp_rank, self.sp)
+
     def _rows(self, micro, routes, device) -> tuple[list[torch.Tensor], torch.Tensor]:
         """:func:`place`'s targets and mask, built on the host and uploaded without a wait (issue #43)."""
-        positions = local_positions(micro.host_positions, self.tp, self.tp_rank, self.sp)
-        targets, given = place(routes, positions, micro.tokens.shape[0], self.layers, self.k)
+        where = self._where(micro)
+        targets, given = place(routes, where[:, 0], where[:, 1], self.layers, self.k)
         return [upload(t, device) for t in targets], upload(given, device)
 
     @contextlib.contextmanager
@@ -316,14 +346,16 @@ class MegatronRouting:
     def _remember(self, micro, own: list[torch.Tensor]) -> None:
         """The micro-batch's own routes into the book, assembled per sample once the host copies have arrived (the
         book waits for the device once, when the update first reads them)."""
-        b = micro.tokens.shape[0]
-        positions = local_positions(micro.host_positions, self.tp, self.tp_rank, self.sp)
-        rows = torch.stack(own, 1).reshape(len(positions), b, len(own), self.k)
-        rows, positions = _gather_rows(rows, positions, self.group)
+        rows, where = _gather_rows(torch.stack(own, 1), self._where(micro), self.group)  # [rows, layers, k]
         sample, book = micro.sample, self.book
         fed = [len(p) + n for p, n in zip(sample.prompt_ids, response_lengths(sample), strict=True)]
         keys = routing.sample_keys(sample)
-        book.later(lambda: zip(keys, assemble(rows, positions, fed, self.layers, book.layers, book.dtype), strict=True))
+
+        def finish():
+            found = assemble(rows, where[:, 0], where[:, 1], fed, self.layers, book.layers, book.dtype)
+            return zip(keys, found, strict=True)
+
+        book.later(finish)
 
 
 def attach(mode: str, models: Sequence[torch.nn.Module], tconfig: Any, parallel: tuple[int, int, int], verbose: bool):

@@ -1,13 +1,15 @@
 """The ``megatron`` engine's forward, backward and update (:class:`MegatronTrainStep`, mixed into
-:class:`.megatron.MegatronEngine`): the model-parallel group's shards gathered, right-padded micro-batches
-(:class:`_Micro`) equalised over ranks with dummy passes, megatron's pipeline schedule, vocab-parallel log-probs
-(:func:`vocab_parallel_log_probs`), the policy loss over global token / sequence counts, and the optimizer step
-with the non-finite skip rule and fsdp's warm-up. How and why: the module docstring of :mod:`.megatron`."""
+:class:`.megatron.MegatronEngine`): the model-parallel group's shards gathered, packed (THD) or right-padded
+micro-batches (:class:`_Micro`) built on the host, equalised over ranks with dummy passes, megatron's pipeline
+schedule, vocab-parallel log-probs (:func:`vocab_parallel_log_probs`), the policy loss over global token / sequence
+counts, and the optimizer step with the non-finite skip rule and fsdp's warm-up. How and why: the module docstring
+of :mod:`.megatron`."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_ascend.algorithms import count_tokens_and_seqs
+from gspo_ascend.device import upload
 from gspo_ascend.engines import megatron_cp as cp_support
 from gspo_ascend.engines.base import SampleBatch
 from gspo_ascend.engines.logprobs import LOGSUMEXP_CHUNK, response_lengths, uploaded
@@ -34,13 +37,14 @@ from gspo_ascend.engines.train_common import (
 
 @dataclasses.dataclass
 class _Micro:
-    """One forward pass: a right-padded [b, S] token block and where each response token's log-prob comes from
-    (row, position predicting it) and goes to (row, column of the [b, R] output). Built on the host
-    (:func:`_build_micro`, with CP :func:`.megatron_cp.shard_micro`), then moved whole by :func:`_placed`."""
+    """One forward pass: a right-padded [b, S] token block, or with ``cu_seqlens`` one packed [1, T] row (THD), and
+    where each response token's log-prob comes from (logits row, position predicting it) and goes to (row, column of
+    the [b, R] output). Built on the host (:func:`_build_micro`, with CP :func:`.megatron_cp.shard_micro`), then
+    moved whole by :func:`_placed`."""
 
-    tokens: torch.Tensor  # [b, S] int64
+    tokens: torch.Tensor  # [b, S] int64 ([1, T] packed)
     position_ids: torch.Tensor  # [b, S]
-    rows: torch.Tensor  # [N]
+    rows: torch.Tensor  # [N] the output row (sample) of each response token
     positions: torch.Tensor  # [N]
     cols: torch.Tensor  # [N]
     labels: torch.Tensor  # [N]
@@ -49,26 +53,36 @@ class _Micro:
     index: list[int] | None = None  # rows of the (mini)batch this micro-batch holds
     ref_log_probs: torch.Tensor | None = None  # [b, R], with algorithm.kl_coef > 0
     host_positions: torch.Tensor | None = None  # [S] the columns' sequence positions, on the host (MoE routing)
+    cu_seqlens: list[int] | None = None  # packed: the sequences' cumulative ends with a leading 0 (then a padding one)
+    at_rows: torch.Tensor | None = None  # packed: the logits row of each response token (0); padded: ``rows``
+    packed_seq_params: Any = None  # packed: megatron-core's PackedSeqParams (THD), set by :func:`_placed`
 
 
-def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, index: list[int] | None) -> _Micro:
-    """The micro-batch on the host."""
+def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, index: list[int] | None, packed: bool) -> _Micro:
+    """The micro-batch on the host: right-padded [b, S] or one packed [1, T] row, its width a multiple of
+    ``multiple`` (sequence parallelism splits it over TP ranks; packed, the padding is a sequence of its own, since
+    megatron's THD attention and RoPE need the boundaries to cover the row)."""
     lengths = response_lengths(batch)
     seqs = [list(p) + row[:n] for p, row, n in zip(batch.prompt_ids, batch.response_ids.tolist(), lengths, strict=True)]
-    width = max(len(s) for s in seqs)
-    width = -(-width // multiple) * multiple  # sequence parallelism splits S over TP ranks
-    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    starts = [0] * len(seqs)
+    if packed:
+        for i in range(1, len(seqs)):
+            starts[i] = starts[i - 1] + len(seqs[i - 1])
+    width = starts[-1] + len(seqs[-1]) if packed else max(len(s) for s in seqs)
+    width = -(-width // multiple) * multiple
+    tokens = torch.full((1 if packed else len(seqs), width), pad_id, dtype=torch.long)
     rows, positions, cols, labels = [], [], [], []
-    for i, (seq, prompt, n) in enumerate(zip(seqs, batch.prompt_ids, lengths, strict=True)):
-        tokens[i, : len(seq)] = torch.tensor(seq)
+    for i, (seq, prompt, n, start) in enumerate(zip(seqs, batch.prompt_ids, lengths, starts, strict=True)):
+        tokens[0 if packed else i, start : start + len(seq)] = torch.tensor(seq)
         rows += [i] * n
-        positions += range(len(prompt) - 1, len(prompt) - 1 + n)  # logits at len(prompt)-1+t predict token t
+        at = start + len(prompt) - 1  # logits at len(prompt)-1+t predict response token t
+        positions += range(at, at + n)
         cols += range(n)
         labels += seq[len(prompt) :]
 
     rows_t, positions_t, cols_t, labels_t = (torch.tensor(v, dtype=torch.long) for v in (rows, positions, cols, labels))
     b, r = batch.response_ids.shape
-    return _Micro(
+    micro = _Micro(
         tokens=tokens,
         position_ids=torch.arange(width).expand(len(seqs), width),
         rows=rows_t,
@@ -79,17 +93,26 @@ def _build_micro(batch: SampleBatch, pad_id: int, multiple: int, index: list[int
         sample=batch if index is not None else None,
         index=index,
     )
+    if packed:
+        ends = [start + len(seq) for start, seq in zip(starts, seqs, strict=True)]
+        micro.cu_seqlens = [0, *ends] + ([width] if width > ends[-1] else [])
+        micro.position_ids = torch.cat([torch.arange(hi - lo) for lo, hi in itertools.pairwise(micro.cu_seqlens)])[None]
+        micro.at_rows = torch.zeros_like(rows_t)
+    return micro
 
 
-def _placed(micro: _Micro, device) -> _Micro:
+def _placed(micro: _Micro, device, boundaries_on_device: bool) -> _Micro:
     """A host-built micro-batch on ``device``, every tensor through the device layer's ``upload`` (issue #43: built
     on the device, or sharded there for CP with a boolean mask, each would be a copy or read the host waits on); its
-    columns' positions stay on the host too, for the MoE routers' targets (megatron_routing.py)."""
+    columns' positions stay on the host too, for the MoE routers' targets (megatron_routing.py). Packed, the THD
+    boundaries go to megatron-core as ``PackedSeqParams``: on the host where only Python reads them (our SDPA core
+    attention, megatron's unfused THD RoPE, MindSpeed's flash attention: each a ``.tolist()``, free there),
+    ``boundaries_on_device`` for Transformer Engine's kernels."""
     b, width = micro.tokens.shape
     host_positions = micro.position_ids[0]
     fields = (micro.tokens, host_positions, micro.rows, micro.positions, micro.cols, micro.labels)
     tokens, position_ids, rows, positions, cols, labels = uploaded(device, *fields)
-    return dataclasses.replace(
+    placed = dataclasses.replace(
         micro,
         tokens=tokens,
         position_ids=position_ids.expand(b, width),
@@ -99,11 +122,26 @@ def _placed(micro: _Micro, device) -> _Micro:
         labels=labels,
         host_positions=host_positions,
     )
+    if micro.cu_seqlens is not None:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.tensor(micro.cu_seqlens, dtype=torch.int32)
+        longest = max(hi - lo for lo, hi in itertools.pairwise(micro.cu_seqlens))
+        cu = upload(cu, device) if boundaries_on_device else cu
+        placed.at_rows = uploaded(device, micro.at_rows)[0]
+        placed.packed_seq_params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
+    return placed
 
 
 def _dummy_batch(pad_id: int) -> SampleBatch:
     zeros = torch.zeros((1, 1))
     return SampleBatch([[pad_id]], zeros.long(), zeros)
+
+
+def _logit_rows(micro: _Micro) -> torch.Tensor:
+    return micro.rows if micro.at_rows is None else micro.at_rows
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, micro: _Micro, temperature: float) -> torch.Tensor:
@@ -113,7 +151,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, micro: _Micro, temperature: f
 
     if micro.rows.numel() == 0:  # keep the graph connected: every rank must take part in the backward
         return logits.new_zeros(micro.shape, dtype=torch.float32) + 0.0 * logits.sum()
-    picked = logits[micro.rows, micro.positions].float()  # [N, V/TP]
+    picked = logits[_logit_rows(micro), micro.positions].float()  # [N, V/TP]
     if temperature != 1.0:
         picked = picked / temperature
     lp = -vocab_parallel_cross_entropy(picked, micro.labels)  # [N]
@@ -136,7 +174,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, micro: _Micro, temperature: flo
 
         def chunk(start: int) -> torch.Tensor:
             rows = slice(start, start + LOGSUMEXP_CHUNK)
-            x = logits[micro.rows[rows], micro.positions[rows]].float()  # [chunk, V/TP], a copy
+            x = logits[_logit_rows(micro)[rows], micro.positions[rows]].float()  # [chunk, V/TP], a copy
             return x.div_(temperature) if temperature != 1.0 else x
 
         # one pass over each chunk: this rank's max, sum exp(x - max) and sum exp(x - max) x, rescaled to the
@@ -189,15 +227,17 @@ class MegatronTrainStep:
         passes = int(self._all_reduce([len(parts)], dist.ReduceOp.MAX)[0])
         micros = []
         for part, index in zip(parts, plan.groups, strict=True):
-            micro = _build_micro(part, self.pad_id, self.seq_multiple, index)
+            micro = _build_micro(part, self.pad_id, self.seq_multiple, index, self.packed)
             micro.ref_log_probs = None if ref is None else uploaded(self.device, ref[index])[0]
             micros.append(micro)
         dummy = _dummy_batch(self.pad_id)  # every pass is a collective (TP, PP, EP): ranks run the same count
-        micros += [_build_micro(dummy, self.pad_id, 1, None) for _ in range(passes - len(parts))]
+        micros += [
+            _build_micro(dummy, self.pad_id, self.seq_multiple, None, self.packed) for _ in range(passes - len(parts))
+        ]
         if self.cp > 1:  # this rank's zigzag part of every micro-batch (megatron_cp.py), cut on the host
             micros = [cp_support.shard_micro(m, self.cp, self.cp_rank, self.seq_multiple, self.pad_id) for m in micros]
         self._oversized = plan.oversized
-        return [_placed(m, self.device) for m in micros]
+        return [_placed(m, self.device, self.use_te) for m in micros]
 
     def _schedule(self, models, micros: list[_Micro], forward_only: bool, loss_fn, phase: str | None = None) -> None:
         """One pass of megatron's forward(-backward) schedule (1F1B with PP > 1) over ``micros``. ``phase``: the
@@ -213,7 +253,8 @@ class MegatronTrainStep:
                 micro = next(data_iterator)
                 if before_forward is not None:
                     before_forward(micro)
-                output = model(micro.tokens, micro.position_ids, None)  # last stage: logits [b, S, V/TP]
+                # last stage: logits [b, S, V/TP] ([1, T, V/TP] packed)
+                output = model(micro.tokens, micro.position_ids, None, packed_seq_params=micro.packed_seq_params)
 
                 def loss(output_tensor):
                     value, reported = loss_fn(micro, output_tensor)

@@ -116,8 +116,8 @@ def attention_forward(
     bounds = cu_seq_lens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds[:3]}...{bounds[-1:]} does not cover the row of {query.shape[2]}")
-    if inner == "sdpa" and _varlen_applies(module, query, kwargs):
-        return _varlen_forward(query, key, value, cu_seq_lens_q, bounds, kwargs)
+    if inner == "sdpa" and varlen_applies(module, query, kwargs):
+        return varlen_forward(query, key, value, cu_seq_lens_q, bounds, kwargs)
     eager = fn.__name__ == "eager_attention_forward"
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     # split, not one slice per sequence: a slice's backward writes its gradient into a zero tensor of the whole
@@ -130,7 +130,7 @@ def attention_forward(
 
 
 @functools.cache
-def _varlen_kernel() -> Any | None:
+def varlen_kernel() -> Any | None:
     """torch's ``varlen_attn`` (torch.nn.attention.varlen: FlashAttention-2 over cumulative lengths, with autograd)
     where it takes ``window_size`` (torch >= 2.10: causal is window (-1, 0)); None on older torch."""
     try:
@@ -146,19 +146,19 @@ def _takes(fn: Any, keyword: str) -> bool:
     return keyword in inspect.signature(fn).parameters
 
 
-def _varlen_applies(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+def varlen_applies(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     """One varlen call per layer instead of one SDPA call per sequence: where the kernel exists (CUDA, half
     precision; it has no CPU or fp32 kernel) and the call asks for what it does (causal, no dropout, no
     soft-capping, no window)."""
     causal = kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
     plain = not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("sliding_window") is None
     on_device = query.device.type == "cuda" and query.dtype in HALF
-    return causal and plain and on_device and _varlen_kernel() is not None
+    return causal and plain and on_device and varlen_kernel() is not None
 
 
-def _varlen_forward(query, key, value, cu_host: torch.Tensor, bounds: list[int], kwargs: dict[str, Any]):
+def varlen_forward(query, key, value, cu_host: torch.Tensor, bounds: list[int], kwargs: dict[str, Any]):
     """query [1, H, N, D], key / value [1, KV, N, D] -> ([1, N, H, D], None) through one ``varlen_attn`` call."""
-    kernel = _varlen_kernel()
+    kernel = varlen_kernel()
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, D]
     extra: dict[str, Any] = {}
     groups = q.shape[1] // k.shape[1]

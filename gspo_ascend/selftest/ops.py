@@ -140,7 +140,7 @@ def _attention_tnd_torch(t):
     from ..engines import packed_attention
 
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (t["q"], t["k"], t["v"]))  # [1, N, T, D]
-    if q.device.type == "cuda" and q.dtype in packed_attention.HALF and packed_attention._varlen_kernel() is None:
+    if q.device.type == "cuda" and q.dtype in packed_attention.HALF and packed_attention.varlen_kernel() is None:
         raise CheckFailed(  # correct, but the slow path: say so rather than pass on the per-sequence loop
             f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn with window_size (2.10+): the "
             "packed path runs one attention per sequence here"

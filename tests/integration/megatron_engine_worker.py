@@ -41,6 +41,9 @@ CASES = {
     "dense_offload": ("dense", ["actor.offload=true"], ("offload", "update")),
     "dense_bf16": ("dense", ["model.dtype=bfloat16"], ("checkpoint",)),  # float32 main weights in the optimizer
     "moe_tp1": ("moe", [], ("log_probs", "export")),
+    # right-padded micro-batches (the default is one packed THD row per micro-batch)
+    "dense_padded": ("dense", ["actor.use_remove_padding=false"], ("log_probs", "update")),
+    "moe_padded": ("moe", ["actor.use_remove_padding=false"], ("log_probs",)),
     "dense_tp2": ("dense_kv2", ["actor.tensor_parallel_size=2"], ("log_probs", "export", "update")),
     "dense_pp2": ("dense", ["actor.pipeline_parallel_size=2"], ("log_probs", "export", "update")),
     "dense_dp2": ("dense", [], ("log_probs", "update")),  # data parallel: DDP sums, distributed optimizer shards
@@ -49,6 +52,7 @@ CASES = {
     "bench_fsdp": ("dense", ["actor.engine=fsdp", *BENCH], ("bench",)),
     "bench_fsdp_padded": ("dense", ["actor.engine=fsdp", "actor.use_remove_padding=false", *BENCH], ("bench",)),
     "bench_megatron": ("dense", BENCH, ("bench",)),
+    "bench_megatron_padded": ("dense", ["actor.use_remove_padding=false", *BENCH], ("bench",)),
 }
 
 

@@ -43,9 +43,11 @@ ONE_PROCESS = [
     "dense_offload",
     "dense_bf16",
     "moe_tp1",
+    "dense_padded",
+    "moe_padded",
 ]
 TWO_PROCESSES = ["dense_tp2", "dense_pp2", "dense_dp2", "moe_ep2"]
-MODEL_OF = {"moe_tp1": "moe", "moe_ep2": "moe", "dense_tp2": "dense_kv2", "fsdp_kv2": "dense_kv2"}
+MODEL_OF = {"moe_tp1": "moe", "moe_padded": "moe", "moe_ep2": "moe", "dense_tp2": "dense_kv2", "fsdp_kv2": "dense_kv2"}
 
 
 def _launch(world_size: int, cases: list[str], out_dir: Path) -> None:
@@ -93,7 +95,9 @@ def hf_log_probs(run, batch):
     return {kind: _hf_log_probs(_hf_model(kind, run[0]), batch, TEMPERATURE) for kind in ("dense", "dense_kv2", "moe")}
 
 
-@pytest.mark.parametrize("case", ["dense_tp1", "moe_tp1", "dense_tp2", "dense_pp2", "dense_dp2", "moe_ep2"])
+@pytest.mark.parametrize(
+    "case", ["dense_tp1", "moe_tp1", "dense_padded", "moe_padded", "dense_tp2", "dense_pp2", "dense_dp2", "moe_ep2"]
+)
 def test_log_probs_match_hugging_face(run, hf_log_probs, batch, case):
     assert_rank_log_probs(run[1][case], hf_log_probs[MODEL_OF.get(case, "dense")], batch)
 
@@ -136,6 +140,7 @@ def assert_update_matches(ranks: dict, reference: dict) -> None:
     ("case", "reference"),
     [
         ("dense_tp1", "fsdp_dense"),
+        ("dense_padded", "fsdp_dense"),
         ("dense_tp2", "fsdp_kv2"),
         ("dense_pp2", "fsdp_dense"),
         ("dense_dp2", "fsdp_dense"),

@@ -86,6 +86,8 @@ def count_fused_calls(calls: collections.Counter) -> None:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             calls[name] += 1
+            if name == "npu_fusion_attention":  # also by layout: TND is a packed (THD) micro-batch
+                calls[f"{name}[{kwargs.get('input_layout', args[4] if len(args) > 4 else None)}]"] += 1
             return fn(*args, **kwargs)
 
         call._counted = True

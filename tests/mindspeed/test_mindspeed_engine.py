@@ -211,8 +211,11 @@ def test_mindspeed_features_run_in_the_engine(run, case):
             assert result["core_attention"] == "MindSpeedCPDotProductAttention"
             assert config["context_parallel_algo"] == "megatron_cp_algo"
             assert calls["npu_fusion_attention_grad"] > 0
+            assert calls.get("npu_fusion_attention[TND]", 0) == 0  # CP > 1: right-padded micro-batches
         else:  # flash attention through MindSpeed's compressed causal mask (sparse_mode 2), no mask from us
             assert result["core_attention"] == "DotProductAttention" and config["sparse_mode"] == 2
+            # on packed THD micro-batches (actor.use_remove_padding, the default): every call is TND
+            assert calls["npu_fusion_attention[TND]"] == calls["npu_fusion_attention"], calls
 
 
 def _mc2_refused() -> bool:

@@ -42,7 +42,7 @@ def _micro(prompts, responses, pad_id=0):
     ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in responses])
     mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in responses])
     batch = SampleBatch(prompts, ids, mask)
-    return _build_micro(batch, pad_id, 1, list(range(len(prompts))))
+    return _build_micro(batch, pad_id, 1, list(range(len(prompts))), packed=False)
 
 
 def test_shard_micro_gives_every_response_token_to_exactly_one_rank():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 
@@ -40,7 +41,8 @@ BASE = [
 # rollout's routers far from the trainer's, so r3 replays routes its own routers would not choose
 CASES = {
     "r3": ("r3", ["actor.recompute=full"], "moved"),
-    "r2": ("r2", [], "clean"),
+    # right-padded micro-batches (the others are packed THD rows, the default): the padding gets the filler
+    "r2": ("r2", ["actor.use_remove_padding=false"], "clean"),
     "off": ("off", [], "clean"),
     # the KL reference model beside the policy: it routes for itself
     "r3_kl": ("r3", ["algorithm.kl_coef=0.5"], "moved"),
@@ -105,9 +107,8 @@ class Dispatched:
         self.rows += own.shape[0]
 
     def check(self, micros, routes_of, backward: bool, replayed: bool = True) -> dict[str, int]:
-        """Row by row (row ``s * b + j`` = position ``position_ids[s]`` of sample j; with CP this rank's zigzag
-        part, with SP this TP rank's contiguous part of them): the experts used == the sample's routes where it has
-        one, the filler 0..k-1 elsewhere (where the forward replayed)."""
+        """Row by row (:func:`rows_of`): the experts used == the sample's routes where it has one, the filler 0..k-1
+        elsewhere (where the forward replayed)."""
         out = {"checked": 0, "mismatched": 0, "filler_checked": 0, "filler_mismatched": 0, "calls": 0}
         for layer in self.layers:
             calls = [used for lay, bw, used in self.calls if lay == layer and bw == backward]
@@ -118,19 +119,37 @@ class Dispatched:
             for micro, used in zip(micros, calls, strict=True):
                 if micro.sample is None:  # a dummy pass
                     continue
-                positions = micro.position_ids[0].cpu()
-                if self.sp_part is not None:
-                    positions = positions.chunk(self.sp_part[0])[self.sp_part[1]]
-                used = used.reshape(len(positions), micro.tokens.shape[0], K)
+                samples, positions = rows_of(micro, self.sp_part)
+                assert used.shape[0] == len(samples)
+                filler = samples == -1  # a packed row's padding
                 for j, routes in enumerate(routes_of(micro.sample)):
-                    here = positions < routes.shape[0]
+                    here = (samples == j) & (positions < routes.shape[0])
                     want = routes[positions[here], layer].long().sort(-1).values
                     out["checked"] += int(here.sum())
-                    out["mismatched"] += int((used[here, j] != want).any(-1).sum())
-                    if replayed:
-                        out["filler_checked"] += int((~here).sum())
-                        out["filler_mismatched"] += int((used[~here, j] != torch.arange(K)).any(-1).sum())
+                    out["mismatched"] += int((used[here] != want).any(-1).sum())
+                    filler |= (samples == j) & ~here
+                if replayed:
+                    out["filler_checked"] += int(filler.sum())
+                    out["filler_mismatched"] += int((used[filler] != torch.arange(K)).any(-1).sum())
         return out
+
+
+def rows_of(micro, sp_part: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sample, position) of each row a router saw, read off what the model was fed: a padded ``[b, S]`` block is
+    megatron's ``[S, b]`` flattened (row ``s * b + j`` = position ``position_ids[s]`` of sample j; with CP this
+    rank's zigzag part); a packed row is its tokens in order, split by the THD boundaries the attention got (a last
+    sequence past the samples is padding: -1). With SP this TP rank's contiguous part of the rows."""
+    if micro.packed_seq_params is None:
+        positions, b = micro.position_ids[0].cpu(), micro.tokens.shape[0]
+        samples, positions = torch.arange(b).repeat(len(positions)), positions.repeat_interleave(b)
+    else:
+        cu = micro.packed_seq_params.cu_seqlens_q.tolist()
+        samples = torch.cat([torch.full((end - start,), i) for i, (start, end) in enumerate(itertools.pairwise(cu))])
+        positions = torch.cat([torch.arange(end - start) for start, end in itertools.pairwise(cu)])
+        samples[samples >= micro.shape[0]] = -1
+    if sp_part is not None:
+        samples, positions = (t.chunk(sp_part[0])[sp_part[1]] for t in (samples, positions))
+    return samples, positions
 
 
 def run_case(case: str, batch: SampleBatch, path: str, device: str) -> dict:
@@ -363,10 +382,15 @@ def test_routers_whose_own_choice_is_not_the_top_k_of_their_logits_are_named():
     assert "fused" in mr.own_choice_problem(SimpleNamespace(moe_router_fusion=True))
 
 
-@pytest.mark.parametrize(("tp", "cp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_rows_placed_for_every_ranks_part_assemble_back_to_the_routes(tp, cp):
-    """Sequence parallelism (TP rank's contiguous S / tp rows) and CP's zigzag positions: the targets each rank's
-    routers get, gathered over the ranks, give back every sample's routes; rows past a route are the filler."""
+@pytest.mark.parametrize(
+    ("tp", "cp", "packed"), [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (1, 1, True), (2, 1, True)]
+)
+def test_rows_placed_for_every_ranks_part_assemble_back_to_the_routes(tp, cp, packed):
+    """Every rank's rows of a micro-batch (padded: [S, b] flattened, with CP each rank's zigzag part; packed: the THD
+    row with a padding sequence; with SP each TP rank's contiguous part), placed and gathered, give back each
+    sample's routes; a stage's other layers stay 0."""
+    from types import SimpleNamespace
+
     from gspo_ascend.engines.megatron_cp import zigzag_index
 
     g = torch.Generator().manual_seed(0)
@@ -374,16 +398,25 @@ def test_rows_placed_for_every_ranks_part_assemble_back_to_the_routes(tp, cp):
     routes = [torch.randint(0, 4, (n, layers, K), generator=g, dtype=torch.uint8) for n in lengths]
     rows, where = [], []
     for c in range(cp):
-        ids = zigzag_index(width, cp, c) if cp > 1 else torch.arange(width)
+        if packed:  # 5 + 8 + 2 tokens and one padding token: 16, a multiple of TP
+            cu = [0, 5, 13, 15, 16]
+            positions = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])
+            micro = SimpleNamespace(cu_seqlens=cu, host_positions=positions, tokens=torch.zeros(1, 16), shape=(3, 8))
+        else:
+            ids = zigzag_index(width, cp, c) if cp > 1 else torch.arange(width)
+            micro = SimpleNamespace(cu_seqlens=None, host_positions=ids, tokens=torch.zeros(3, width // cp))
+        samples, positions = mr.row_map(micro)
+        assert (samples == -1).sum() == (1 if packed else 0)
         for t in range(tp):
-            positions = mr.local_positions(ids, tp, t, sp=tp > 1)
-            assert positions.numel() == width // (tp * cp)
-            targets, given = mr.place(routes, positions, 3, [0, 2], K)  # a stage holding layers 0 and 2
-            assert targets[0].shape == (positions.numel() * 3, K)
+            mine = mr.local_rows(torch.stack((samples, positions), 1), tp, t, sp=tp > 1)
+            assert len(mine) == len(samples) // tp
+            targets, given = mr.place(routes, mine[:, 0], mine[:, 1], [0, 2], K)  # a stage holding layers 0 and 2
+            assert targets[0].shape == (len(mine), K)
             assert torch.equal(targets[1][~given], torch.arange(K).expand(int((~given).sum()), K))
-            rows.append(torch.stack(targets, 1).reshape(positions.numel(), 3, 2, K))
-            where.append(positions)
-    back = mr.assemble(torch.cat(rows), torch.cat(where), lengths, [0, 2], layers, torch.uint8)
+            rows.append(torch.stack(targets, 1))
+            where.append(mine)
+    where = torch.cat(where)
+    back = mr.assemble(torch.cat(rows), where[:, 0], where[:, 1], lengths, [0, 2], layers, torch.uint8)
     for got, want in zip(back, routes, strict=True):
         assert torch.equal(got[:, [0, 2]], want[:, [0, 2]]) and not got[:, 1].any()  # layer 1: another stage's
 

@@ -245,10 +245,10 @@ def test_varlen_path_is_one_call_per_layer_and_equals_the_per_sequence_loop(mode
 
     expected = run(looped)  # the per-sequence loop (CPU: varlen does not apply)
     calls: list[int] = []
-    monkeypatch.setattr(packed_attention, "_varlen_kernel", lambda: _varlen_stand_in(calls, gqa))
+    monkeypatch.setattr(packed_attention, "varlen_kernel", lambda: _varlen_stand_in(calls, gqa))
     monkeypatch.setattr(packed_attention, "HALF", (torch.float64,))  # float64 stands for half precision here
-    original = packed_attention._varlen_applies  # and the CPU query for a CUDA one, in the device check only
-    monkeypatch.setattr(packed_attention, "_varlen_applies", lambda m, q, kw: original(m, _AsCuda(q), kw))
+    original = packed_attention.varlen_applies  # and the CPU query for a CUDA one, in the device check only
+    monkeypatch.setattr(packed_attention, "varlen_applies", lambda m, q, kw: original(m, _AsCuda(q), kw))
     got = run(model)
     assert calls == [len(LENGTHS)] * model.config.num_hidden_layers  # one call per layer, every sequence in it
     assert (got - expected).abs().max() <= 1e-10
@@ -258,7 +258,7 @@ def test_varlen_path_is_one_call_per_layer_and_equals_the_per_sequence_loop(mode
 
 
 class _AsCuda:
-    """A query seen by _varlen_applies as a CUDA tensor (its device check), everything else from the real one."""
+    """A query seen by varlen_applies as a CUDA tensor (its device check), everything else from the real one."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.dtype, self.device = t.dtype, torch.device("cuda")

@@ -83,7 +83,8 @@ class ActorConfig:
     # prompts per optimizer step; null = data.train_batch_size / algorithm.minibatches_per_rollout
     ppo_mini_batch_size: int | None = None
     micro_batch_size: int | None = 4  # samples per forward/backward on one device
-    max_tokens_per_micro_batch: int | None = None  # dynamic batch size by token budget (overrides the above)
+    # dynamic batch size by token budget (overrides the above); auto: the largest the planner fits on the device
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
@@ -495,7 +496,7 @@ def _positive_sizes(cfg: Config) -> Iterable[str]:
         if get(cfg, key) <= 0:
             yield f"config key '{key}' must be > 0, got {get(cfg, key)}"
     for key in ("actor.micro_batch_size", "actor.max_tokens_per_micro_batch", "trainer.keep_last"):
-        if get(cfg, key) is not None and get(cfg, key) <= 0:
+        if isinstance(get(cfg, key), int) and get(cfg, key) <= 0:
             yield f"config key '{key}' must be > 0 or null, got {get(cfg, key)}"
     if cfg.trainer.cpu_threads < 0:
         yield f"config key 'trainer.cpu_threads' must be >= 0 (0 = CPUs / actors), got {cfg.trainer.cpu_threads}"

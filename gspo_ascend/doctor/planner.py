@@ -2,6 +2,9 @@
 (vLLM colocated on the same devices), against the device's memory, with a fits / tight / OOM verdict and
 the three config changes that help most. Formulas and assumptions: docs/memory-planner.md.
 
+One file because it is one closed-form model: every phase reads the same layout, element sizes and per-token
+terms, and the knobs and the ``auto`` settings re-run it whole.
+
 Peers size memory by trial and error (verl's and MindSpeed-RL's Ascend recipes lower batch sizes and
 gpu_memory_utilization after OOMs, as the field reports describe); Megatron's own estimator covers only
 its training side and knows nothing about a colocated vLLM. This planner is closed-form, so its numbers
@@ -281,6 +284,48 @@ def fsdp_keeps_gathered(cfg, spec: ModelSpec, usable: int | None, world: int) ->
     return fsdp_train(kept, spec, usable, world).total <= KEEP_GATHERED_SHARE * usable
 
 
+# actor.max_tokens_per_micro_batch=auto: the largest budget, a multiple of TOKEN_BUDGET_STEP tokens, whose training
+# phase (with the training communicators' buffers on NPU) stays within KEEP_GATHERED_SHARE of the device, the same
+# margin as the fsdp auto above; never below one full sequence a device, never above a DP rank's whole minibatch.
+# Without device memory to size it by (the host) HOST_TOKEN_BUDGET.
+TOKEN_BUDGET_KEY = "actor.max_tokens_per_micro_batch"
+TOKEN_BUDGET_STEP = 1024
+HOST_TOKEN_BUDGET = 8192
+
+
+def token_budget(cfg, spec: ModelSpec, total: int | None, npu: bool) -> tuple[int, str]:
+    """``actor.max_tokens_per_micro_batch=auto`` resolved for a device of ``total`` bytes: (tokens, how). The plan
+    and the engines call this alike (the engine with what its runtime reports), so both size the same budget."""
+    step, lay = TOKEN_BUDGET_STEP, layout(cfg)
+    per_device = seq_len(cfg) // ulysses_size(cfg)  # the budget is per device; Ulysses splits a sequence over SP
+    floor = -(-per_device // step) * step
+    if total is None:
+        return max(floor, HOST_TOKEN_BUDGET), "no device memory to size it by (the host)"
+    samples = max(cfg.actor.ppo_mini_batch_size * cfg.rollout.n // lay.dp, 1)
+    ceiling = max(-(-samples * per_device // step) * step, floor)
+    extra = communicator_bytes(training_communicators(cfg, spec)) if npu else 0
+
+    def peak(budget: int) -> int:
+        return train_phase(with_value(cfg, TOKEN_BUDGET_KEY, budget), spec, total).total + extra
+
+    limit = KEEP_GATHERED_SHARE * total
+    if peak(floor) > limit:
+        return floor, f"one full sequence a micro-batch; the training phase needs {peak(floor) / GIB:.1f} GiB even so"
+    low, high = floor // step, ceiling // step  # peak grows with the budget: the largest that fits, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if peak(mid * step) <= limit else (low, mid - 1)
+    budget = low * step
+    return budget, f"training {peak(budget) / GIB:.1f} GiB of the device's {total / GIB:.1f} GiB"
+
+
+def resolved_budget(cfg, spec: ModelSpec, total: int | None, npu: bool):
+    """``cfg`` with an ``auto`` token budget replaced by :func:`token_budget`'s (the same config otherwise)."""
+    if cfg.actor.max_tokens_per_micro_batch != "auto":
+        return cfg
+    return with_value(cfg, TOKEN_BUDGET_KEY, token_budget(cfg, spec, total, npu)[0])
+
+
 def train_phase(cfg, spec: ModelSpec, usable: int | None = None) -> Phase:
     if cfg.actor.engine == "fsdp":
         return fsdp_train(cfg, spec, usable)
@@ -493,9 +538,13 @@ def _add_communicators(cfg, spec: ModelSpec, train: Phase, rollout: Phase) -> in
 
 def evaluate(cfg, spec: ModelSpec, hw: Profile) -> Plan:
     usable = (hw.hbm_mib - hw.reserved_mib) * 2**20
+    auto = cfg.actor.max_tokens_per_micro_batch == "auto"
+    cfg = resolved_budget(cfg, spec, hw.hbm_mib * 2**20, hw.platform == "npu")  # as the engine sizes it
     train = train_phase(cfg, spec, hw.hbm_mib * 2**20)  # fsdp_keeps_gathered: the device's total, as the engine
     rollout, kv_tokens = rollout_phase(cfg, spec, hw, train)
     comms = _add_communicators(cfg, spec, train, rollout) if hw.platform == "npu" else 0
+    if auto:
+        train.notes["activations"] += f" ({TOKEN_BUDGET_KEY}=auto)"
     sync = sync_phase(cfg, spec, train, comms)
     p_train, p_roll, p_kv, p_sync = _pressures(cfg, train, rollout, sync, kv_tokens, usable)
     lay = layout(cfg)
@@ -539,7 +588,7 @@ KNOBS = (
         lambda c: True if recompute_mode(c) != "full" and c.actor.engine == "fsdp" else None,
     ),
     ("actor.micro_batch_size", lambda c: c.actor.micro_batch_size // 2 if _micro_mode(c) else None),
-    ("actor.max_tokens_per_micro_batch", lambda c: (c.actor.max_tokens_per_micro_batch or 0) // 2 or None),
+    ("actor.max_tokens_per_micro_batch", lambda c: _halved(c.actor.max_tokens_per_micro_batch)),
     ("actor.use_distributed_optimizer", lambda c: True if not c.actor.use_distributed_optimizer else None),
     (
         "actor.sequence_parallel",
@@ -555,6 +604,10 @@ KNOBS = (
     ("rollout.gpu_memory_utilization", lambda c: _util(c, +0.1)),
     ("rollout.tensor_parallel_size", lambda c: c.rollout.tensor_parallel_size * 2),
 )
+
+
+def _halved(budget) -> int | None:
+    return (budget // 2 or None) if isinstance(budget, int) else None  # auto sizes itself
 
 
 def _micro_mode(cfg) -> bool:

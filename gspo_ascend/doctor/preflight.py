@@ -290,6 +290,9 @@ def rule_micro_batch(cfg, spec: ModelSpec | None) -> Iterable[Check]:
         if cfg.actor.micro_batch_size is not None:
             yield _check("micro-batch", None, f"actor.micro_batch_size={cfg.actor.micro_batch_size} samples", "")
         return  # neither set: the config validator reports it (field failure "Please set micro_batch_size")
+    if budget == "auto":  # sized by the planner at start, never below one full sequence a device
+        yield _check("micro-batch", None, "token budget auto: the planner sizes it for the device at start", "")
+        return
     group = f" x SP {sp} = {budget * sp} per SP group" if sp > 1 else ""
     yield _check(
         "micro-batch",

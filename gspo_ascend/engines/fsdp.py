@@ -56,6 +56,7 @@ from gspo_ascend.engines.train_common import (
     on_device,
     policy_objective,
     select_device,
+    sized_token_budget,
     update_metrics,
     warmup_factor,
 )
@@ -86,6 +87,7 @@ class FSDPEngine:
         self.owns_process_group = ensure_process_group(backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = select_device(backend, self.rank)
+        self.cfg = cfg = sized_token_budget(cfg, backend, self.device, model_path, self.rank == 0)
         backend.avoid_per_shape_attention_plans()  # packed shapes change every micro-batch (device/__init__.py)
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -112,7 +112,12 @@ from gspo_ascend.engines.megatron_setup import (
     _transformer_overrides,
 )
 from gspo_ascend.engines.megatron_train import MegatronTrainStep, vocab_parallel_log_probs
-from gspo_ascend.engines.train_common import engine_policy_loss, ensure_process_group, select_device
+from gspo_ascend.engines.train_common import (
+    engine_policy_loss,
+    ensure_process_group,
+    select_device,
+    sized_token_budget,
+)
 from gspo_ascend.errors import UserError
 from gspo_ascend.megatron_settings import ddp_config
 
@@ -133,6 +138,7 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
         self.owns_process_group = ensure_process_group(backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = select_device(backend, self.rank)
+        self.cfg = cfg = sized_token_budget(cfg, backend, self.device, model_path, self.rank == 0)
         self.model_path = model_path
         on_cpu = backend.torch_device_type == "cpu"
         self.mindspeed = mindspeed_setup.enabled(backend)
@@ -159,6 +165,8 @@ class MegatronEngine(MegatronTrainStep, MegatronCheckpointing):
             megatron_attention.use_sdpa_attention(self.bridge)
         self.models = self._build_models(trainable=True)
         self.ref_models = self._build_models(trainable=False) if cfg.algorithm.kl_coef > 0 else None
+        if self.mindspeed and self.packed:  # its flash attention takes TND ends without the leading 0
+            mindspeed_setup.ends_for_flash_attention([*self.models, *(self.ref_models or [])])
         self.tconfig = mb.unwrap(self.models[0]).config
         self.tconfig.finalize_model_grads_func = _finalize_grads
         self.optimizer = self._build_optimizer()

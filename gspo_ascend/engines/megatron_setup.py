@@ -158,6 +158,9 @@ def _transformer_overrides(cfg: Config, backend: Backend, moe: bool, use_te: boo
             gradient_accumulation_fusion=False,
             apply_rope_fusion=False,
         )
+    else:  # TE's fused RoPE, which takes packed (THD) boundaries on the device; megatron's unfused THD RoPE reads
+        # them back to the host (.tolist()) in every layer, for q and for k (rope_utils._apply_rotary_pos_emb_thd)
+        overrides["apply_rope_fusion"] = True
     if a.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif a.recompute == "selective":

@@ -376,3 +376,29 @@ def runtime_args() -> Any:
     from mindspeed.args_utils import get_full_args
 
     return get_full_args()
+
+
+def ends_for_flash_attention(models: Any) -> None:
+    """Packed (THD) micro-batches under MindSpeed: each core attention of ``models`` gets the sequences' ends only.
+
+    megatron-core's THD RoPE needs the boundaries with their leading 0 (``cu_seqlens``); MindSpeed's flash
+    attention hands ``packed_seq_params.cu_seqlens_q`` to ``npu_fusion_attention``'s TND ``actual_seq_qlen`` as it is
+    (core_r0.16.0 and 26.1.0 ``core/transformer/flash_attention/flash_attention/adaptor.py``: a list as it is, a
+    tensor through ``.tolist()``), and torch_npu documents cumulative ends without a leading 0 (lengths [2, 2, 2] ->
+    [2, 4, 6]). So a forward pre-hook gives the core attention a copy of the params with the ends as lists
+    (MindSpeed's list branch; the engine keeps the boundaries on the host, so no device read); RoPE, which megatron's
+    attention applies before it, keeps the original."""
+    import dataclasses
+
+    def ends_only(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        params = kwargs.get("packed_seq_params")
+        if params is None or isinstance(params.cu_seqlens_q, list):
+            return None
+        q = params.cu_seqlens_q.tolist()[1:]
+        kv = q if params.cu_seqlens_kv is params.cu_seqlens_q else params.cu_seqlens_kv.tolist()[1:]
+        return args, {**kwargs, "packed_seq_params": dataclasses.replace(params, cu_seqlens_q=q, cu_seqlens_kv=kv)}
+
+    for model in models:
+        for module in model.modules():
+            if hasattr(module, "core_attention"):
+                module.core_attention.register_forward_pre_hook(ends_only, with_kwargs=True)

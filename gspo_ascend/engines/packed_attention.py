@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from gspo_ascend.device import upload
+
 PREFIX = "packed_"
 SUPPORTED = ("sdpa", "eager")
 HALF = (torch.float16, torch.bfloat16)
@@ -177,7 +179,7 @@ def _on_device(cu_host: torch.Tensor, device: torch.device) -> torch.Tensor:
     (:func:`forward_kwargs`), so the copy is kept on it."""
     cached = getattr(cu_host, "_gspo_on_device", None)
     if cached is None or cached.device != device:
-        cached = cu_host.to(device, non_blocking=True)
+        cached = upload(cu_host, device)  # pinned: from pageable memory the copy would wait for the device
         cu_host._gspo_on_device = cached
     return cached
 

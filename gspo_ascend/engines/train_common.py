@@ -184,6 +184,30 @@ def policy_objective(
     return loss, metrics
 
 
+def sized_token_budget(cfg, backend: Backend, device: torch.device, model_path: str, verbose: bool):
+    """``cfg`` with ``actor.max_tokens_per_micro_batch=auto`` resolved by the planner for this device
+    (``planner.token_budget``, from the memory the runtime reports), the smallest over the ranks (they run the same
+    micro-batching), said once; any other config as it is. On the host, or for a model the planner cannot size,
+    the planner's host budget."""
+    if cfg.actor.max_tokens_per_micro_batch != "auto":
+        return cfg
+    from gspo_ascend.doctor import planner
+    from gspo_ascend.doctor.modelspec import load_spec
+
+    total, spec, unsized = backend.total_memory(device.index or 0), None, None
+    if total is not None:
+        try:
+            spec = load_spec(model_path)
+        except UserError as exc:
+            total, unsized = None, f"the planner cannot size this model: {exc}"
+    budget, how = planner.token_budget(cfg, spec, total, backend.name == "npu")
+    budget = int(_all_reduce([budget], dist.ReduceOp.MIN, device)[0])
+    if verbose:
+        note = f"{budget:,} tokens a micro-batch ({unsized or how})"
+        print(f"note: actor.max_tokens_per_micro_batch=auto: {note}", flush=True)
+    return planner.with_value(cfg, planner.TOKEN_BUDGET_KEY, budget)
+
+
 def _all_reduce(values, op, device) -> torch.Tensor:
     t = torch.as_tensor(values, dtype=torch.float64, device=device)
     if dist.get_world_size() > 1:

@@ -36,7 +36,8 @@ CASES = {
     "fsdp_kv2": ("dense_kv2", ["actor.engine=fsdp"], ("update",)),
     "fsdp_kl": ("dense", ["actor.engine=fsdp", *KL], ("update",)),
     "dense_tp1": ("dense", [], ("log_probs", "export", "update", "save_hf")),
-    "dense_kl": ("dense", KL, ("update",)),
+    # the token budget left to the planner too (on the host its host budget: a minibatch in one micro-batch)
+    "dense_kl": ("dense", [*KL, "actor.max_tokens_per_micro_batch=auto"], ("update",)),
     "dense_nan": ("dense", [], ("nan",)),
     "dense_offload": ("dense", ["actor.offload=true"], ("offload", "update")),
     "dense_bf16": ("dense", ["model.dtype=bfloat16"], ("checkpoint",)),  # float32 main weights in the optimizer
@@ -114,6 +115,7 @@ def run_case(case: str, out: Path, rank: int, world: int) -> None:
     start = time.perf_counter()
     engine = build(case, out)
     result["build_s"] = time.perf_counter() - start
+    result["token_budget"] = engine.cfg.actor.max_tokens_per_micro_batch
     if "bench" in jobs:  # its own batch
         result.update(bench(engine))
         engine.close()

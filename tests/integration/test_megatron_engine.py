@@ -5,11 +5,13 @@ process builds the inputs first (the sampled batches and a tiny Qwen3 with two K
 computes every reference independently: log-probs from a plain transformers forward per sample, weights from the
 checkpoint and from the fsdp engine run on the same batch. Checked:
 
-* log-probs == HF log-probs (fp32, <= 1e-5) for dense Qwen3 at TP=1, TP=2, PP=2 and Qwen3-MoE at TP=1, EP=2;
+* log-probs == HF log-probs (fp32, <= 1e-5) for dense Qwen3 at TP=1, TP=2, PP=2 and Qwen3-MoE at TP=1, EP=2, on
+  packed THD micro-batches (the default), and on right-padded ones at TP=1 (dense and MoE);
 * one GSPO update (two minibatches, warm-up, clipping) == the fsdp engine's (one process, whole batch): loss and
   every metric, gradient norm, every updated weight (<= 1e-5; Adam moves each weight by about lr, so lr = 1e-5
   makes a sign error in any update show as a 2e-5 difference, and the gradient norm checks magnitudes), at TP=1,
-  TP=2, PP=2, DP=2 (distributed optimizer) and with the KL term (a reference model inside the engine);
+  TP=2, PP=2, DP=2 (distributed optimizer), padded, and with the KL term (a reference model inside the engine) and
+  the token budget sized by the planner (auto);
 * export_weights == the HF state_dict exactly (names, shapes, values; MoE experts fused as transformers 5 holds
   them), with TP / PP / EP shards gathered; save_hf loads in transformers and reproduces the engine's log-probs;
 * checkpoint -> resume -> next update bitwise equal (MoE, EP=2, distributed optimizer sharded over DP=2; and
@@ -150,6 +152,10 @@ def assert_update_matches(ranks: dict, reference: dict) -> None:
 def test_gspo_update_matches_fsdp(run, case, reference):
     out, results = run
     ref = results[reference][0]
+    if case == "dense_kl":  # actor.max_tokens_per_micro_batch=auto, sized at start: the host's budget
+        from gspo_ascend.doctor.planner import HOST_TOKEN_BUDGET
+
+        assert results[case][0]["token_budget"] == HOST_TOKEN_BUDGET
     theirs_w = ref["weights"]
     assert_update_matches(results[case], ref)
     initial = _hf_model(MODEL_OF.get(case, "dense"), out).state_dict()
@@ -390,3 +396,15 @@ def test_mindspeed_switches_on_the_local_spec():
     assert "use_flash_attn" not in npu
     cpu = _transformer_overrides(_cfg(), get_backend("cpu"), moe=True, use_te=False)
     assert not cpu["moe_grouped_gemm"] and not cpu["bias_activation_fusion"]
+
+
+def test_te_fuses_rope_so_packed_boundaries_stay_on_the_device():
+    """With Transformer Engine, RoPE is TE's fused kernel (it takes the packed THD boundaries on the device);
+    megatron's unfused THD RoPE would read them back to the host in every layer. Without TE, the unfused one (its
+    boundaries are on the host there: megatron_train._placed)."""
+    from gspo_ascend.device import get_backend
+    from gspo_ascend.engines.megatron import _transformer_overrides
+
+    cuda = type("Cuda", (), {"name": "cuda", "torch_device_type": "cuda", "emulated": False})()
+    assert _transformer_overrides(_cfg(), cuda, moe=False, use_te=True)["apply_rope_fusion"] is True
+    assert _transformer_overrides(_cfg(), get_backend("cpu"), moe=False, use_te=False)["apply_rope_fusion"] is False

@@ -87,7 +87,10 @@ def count_fused_calls(calls: collections.Counter) -> None:
         def call(*args: Any, **kwargs: Any) -> Any:
             calls[name] += 1
             if name == "npu_fusion_attention":  # also by layout: TND is a packed (THD) micro-batch
-                calls[f"{name}[{kwargs.get('input_layout', args[4] if len(args) > 4 else None)}]"] += 1
+                layout = kwargs.get("input_layout", args[4] if len(args) > 4 else None)
+                calls[f"{name}[{layout}]"] += 1
+                if layout == "TND" and list(kwargs.get("actual_seq_qlen") or [None])[0] == 0:
+                    calls[f"{name}[TND with a leading 0]"] += 1  # torch_npu documents ends without it
             return fn(*args, **kwargs)
 
         call._counted = True

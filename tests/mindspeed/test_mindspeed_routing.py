@@ -2,8 +2,8 @@
 TP 2 with SP on the tiny Qwen3-MoE with two KV heads (tests/mindspeed/engine_worker.py's ``moe_kv2``), MindSpeed's
 grouped-GEMM experts and alltoall dispatcher.
 
-Each TP rank's routers see its contiguous half of the rows (r3: a packed THD row through MindSpeed's flash attention,
-TND; r2: right-padded ``[S, b]`` activations): the replayed experts must be the
+Each TP rank's routers see its contiguous half of the rows of each packed THD micro-batch (MindSpeed's flash
+attention runs it as TND): the replayed experts must be the
 rollout's (r3) or the old forward's (r2) at exactly those rows, with recompute in backward (r3), and the old forward's
 routes kept per sample must be whole (gathered over TP) and the same on both ranks. The worker is
 tests/unit/test_megatron_routing.py's, run with ``device=npu`` on this model; the checks are read as there.
@@ -22,7 +22,7 @@ from tests.unit import test_megatron_routing as base
 SP2 = ["actor.tensor_parallel_size=2", "actor.sequence_parallel=true"]
 CASES = {
     "ms_r3_sp2": ("r3", [*SP2, "actor.recompute=full"], "moved"),
-    "ms_r2_sp2": ("r2", [*SP2, "actor.use_remove_padding=false"], "clean"),  # r3 packed (THD), r2 right-padded
+    "ms_r2_sp2": ("r2", SP2, "clean"),
 }
 base.CASES.update(CASES)
 TIMEOUT_S = 1200  # a hang guard (test_mindspeed_engine.py's TIMEOUT_S says why so long)
@@ -89,7 +89,7 @@ def test_r2_under_sequence_parallelism_keeps_whole_sequences_and_replays_them(ra
         assert r2["update"]["mismatched"] == 0 and r2["update"]["filler_mismatched"] == 0
         assert r2["metrics"]["routing/update_agreement_mean"] < 0.9
         assert r2["metrics"]["routing/rollout_agreement_mean"] >= 0.99
-    base.assert_exact(summed(ranks, "ms_r2_sp2", "update"))
+    base.assert_exact(summed(ranks, "ms_r2_sp2", "update"), filler=None)  # packed: filler only where SP pads
 
 
 if __name__ == "__main__":

@@ -129,6 +129,46 @@ def test_planner_keeps_layers_gathered_where_they_fit():
         assert planner.fsdp_keeps_gathered(_cfg(f"actor.fsdp_reshard_after_forward={mode}"), spec, None, 1) is expected
 
 
+def test_an_auto_token_budget_is_sized_at_start_and_said(model_path, monkeypatch, capsys):
+    """actor.max_tokens_per_micro_batch=auto: the engine asks the planner with the memory its runtime reports (the host
+    reports none: the host budget) and says what it chose, once; its micro-batches follow the number."""
+    from gspo_ascend.doctor.modelspec import load_spec
+    from gspo_ascend.engines.fsdp import FSDPEngine
+
+    overrides = (
+        "data.train_batch_size=8",
+        "algorithm.minibatches_per_rollout=1",
+        "actor.max_tokens_per_micro_batch=auto",
+    )
+    cfg = engine_config(*overrides)
+    backend = get_backend("cpu")
+    engine = FSDPEngine(cfg, backend, model_path)
+    assert engine.cfg.actor.max_tokens_per_micro_batch == planner.HOST_TOKEN_BUDGET
+    assert cfg.actor.max_tokens_per_micro_batch == "auto"  # the caller's config is not changed
+    engine.close()
+    device = 24 * 2**30  # as if the runtime reported a 24 GiB device
+    monkeypatch.setattr(type(backend), "total_memory", lambda self, index=0: device)
+    want = planner.token_budget(cfg, load_spec(model_path), device, npu=False)[0]
+    assert want > planner.HOST_TOKEN_BUDGET  # the tiny model: the whole minibatch fits
+    engine = FSDPEngine(cfg, backend, model_path)
+    assert engine.cfg.actor.max_tokens_per_micro_batch == want
+    engine.close()
+    said = [line for line in capsys.readouterr().out.splitlines() if "max_tokens_per_micro_batch=auto" in line]
+    assert said == [
+        f"note: actor.max_tokens_per_micro_batch=auto: {planner.HOST_TOKEN_BUDGET:,} tokens a micro-batch "
+        "(no device memory to size it by (the host))",
+        f"note: actor.max_tokens_per_micro_batch=auto: {want:,} tokens a micro-batch "
+        f"({planner.token_budget(cfg, load_spec(model_path), device, npu=False)[1]})",
+    ]
+
+
+def test_a_token_budget_is_a_positive_number_or_auto():
+    assert _cfg("actor.max_tokens_per_micro_batch=auto").actor.max_tokens_per_micro_batch == "auto"
+    for bad, fragment in (("lots", "must be int or one of 'auto' or null"), ("0", "must be > 0 or null")):
+        with pytest.raises(ConfigError, match=fragment):
+            _cfg(f"actor.max_tokens_per_micro_batch={bad}")
+
+
 def test_the_planner_counts_the_fused_heads_chunk():
     from gspo_ascend.engines.fused_logprob import CHUNK_ROWS
 

@@ -252,6 +252,40 @@ def test_qwen25_3b_fsdp_on_a2():
     assert auto.rollout.total == p.rollout.total  # the accumulation is freed before rollout: the same residue
 
 
+def test_an_auto_token_budget_is_the_largest_that_fits_by_hand():
+    from gspo_ascend.doctor import planner
+
+    # test_qwen25_3b_fsdp_on_a2's config, ZeRO-3 (no gathered-or-not flip), the token budget left to the planner
+    args = [*DENSE, "trainer.device=npu", "actor.engine=fsdp", "model.gradient_checkpointing=true",
+            "actor.micro_batch_size=1", "rollout.n=16", "data.max_prompt_length=2048", "data.max_response_length=8192",
+            "rollout.gpu_memory_utilization=0.75", "actor.fsdp_reshard_after_forward=on"]  # fmt: skip
+    cfg = config.load_config(None, [*args, "actor.max_tokens_per_micro_batch=auto"])
+    spec = load_spec(cfg.model.path)
+    # from that test's numbers: weights + gradients + optimizer + gathered = 7,102,519,296, the fused head's chunk and
+    # weight gradient 4,045,144,064 (constant from 1,024 tokens on), the HCCL buffers 838,860,800 = 11,986,524,160
+    # fixed; activations 2,448,424,960 / 10,240 = 239,104 B a token. 0.8 x 64 GiB = 54,975,581,388.8 leaves
+    # 42,989,057,228.8 B = 179,793.2 tokens -> 175 x 1,024 = 179,200 (the minibatch would allow 32 x 10,240)
+    budget, how = planner.token_budget(cfg, spec, A2.hbm_mib * 2**20, npu=True)
+    assert budget == 179_200 and "of the device's 64.0 GiB" in how
+    p = plan(cfg, spec, A2)
+    assert p.train.parts["activations"] == 239_104 * 179_200 and p.train_verdict == "fits"
+    assert "(actor.max_tokens_per_micro_batch=auto)" in p.train.notes["activations"]
+    assert all(k.key != "actor.max_tokens_per_micro_batch" for k in p.knobs)  # auto is not halved
+    # bounds: one full sequence a device (10,240 = 10 x 1,024) when nothing fits, or on the host (at least 8,192);
+    # a DP rank's whole minibatch when everything fits; Ulysses SP 2 halves the sequence a device holds
+    assert planner.token_budget(cfg, spec, 8 * 2**30, npu=True)[0] == 10_240
+    assert planner.token_budget(cfg, spec, None, npu=True) == (10_240, "no device memory to size it by (the host)")
+    assert planner.token_budget(cfg, spec, 2**50, npu=True)[0] == 16 * 16 // 8 * 10_240
+    sp2 = config.load_config(
+        None, [*args, "actor.ulysses_sequence_parallel_size=2", "actor.max_tokens_per_micro_batch=auto"]
+    )
+    assert planner.token_budget(sp2, spec, 8 * 2**30, npu=True)[0] == 5_120
+    # a config with a number keeps it
+    assert planner.resolved_budget(cfg, spec, None, True).actor.max_tokens_per_micro_batch == 10_240
+    fixed = config.load_config(None, [*args, "actor.max_tokens_per_micro_batch=4096"])
+    assert planner.resolved_budget(fixed, spec, 2**50, True) is fixed
+
+
 def test_qwen25_3b_megatron_tp2_on_h20():
     p = planned(
         H20,

@@ -202,8 +202,6 @@ def test_tiny_run_on_cpu(bench, engine, tmp_path):
     assert result["last_step_metrics"]["actor/num_tokens"] == responses[-1]
     assert result["step_micro_batches"] == result["step_planned_micro_batches"]
     assert min(result["step_micro_batches"]) > 1
-    padded, real = result["step_processed_tokens"], result["step_tokens"]
-    assert padded == real  # both engines pack (megatron: THD rows)
 
     # time and FLOPs: the reported rates follow from the reported times, the formula from the hand computation above
     assert result["steps"] == len(result["step_seconds"]) == STEPS and min(result["step_seconds"]) > 0

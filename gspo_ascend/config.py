@@ -497,7 +497,16 @@ def _positive_sizes(cfg: Config) -> Iterable[str]:
             yield f"config key '{key}' must be > 0, got {get(cfg, key)}"
     for key in ("actor.micro_batch_size", "actor.max_tokens_per_micro_batch", "trainer.keep_last"):
         if isinstance(get(cfg, key), int) and get(cfg, key) <= 0:
-            yield f"config key '{key}' must be > 0 or null, got {get(cfg, key)}"
+            auto = ", auto" if key == "actor.max_tokens_per_micro_batch" else ""
+            yield f"config key '{key}' must be > 0{auto} or null, got {get(cfg, key)}"
+    a = cfg.actor
+    padded = not a.use_remove_padding or (a.engine == "megatron" and a.context_parallel_size > 1)
+    if a.max_tokens_per_micro_batch == "auto" and padded:
+        # a padded micro-batch computes samples x its longest sample, which the budget does not bound
+        yield (
+            "config key 'actor.max_tokens_per_micro_batch' (auto) sizes packed micro-batches; these are padded "
+            "(actor.use_remove_padding=false, or megatron with context_parallel_size > 1): set a number"
+        )
     if cfg.trainer.cpu_threads < 0:
         yield f"config key 'trainer.cpu_threads' must be >= 0 (0 = CPUs / actors), got {cfg.trainer.cpu_threads}"
     if cfg.trainer.save_freq < 0:

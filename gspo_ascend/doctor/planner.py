@@ -285,45 +285,62 @@ def fsdp_keeps_gathered(cfg, spec: ModelSpec, usable: int | None, world: int) ->
 
 
 # actor.max_tokens_per_micro_batch=auto: the largest budget, a multiple of TOKEN_BUDGET_STEP tokens, whose training
-# phase (with the training communicators' buffers on NPU) stays within KEEP_GATHERED_SHARE of the device, the same
-# margin as the fsdp auto above; never below one full sequence a device, never above a DP rank's whole minibatch.
-# Without device memory to size it by (the host) HOST_TOKEN_BUDGET.
+# phase (with the training communicators' buffers on NPU) stays within TOKEN_BUDGET_SHARE of the device; never below
+# one full sequence a device, never above a DP rank's whole minibatch. The share is below KEEP_GATHERED_SHARE because
+# the budget fills it: the last lent GPU measured fsdp's peak at 1.25x this plan (4k budget, docs/results/gpu), and
+# 0.7 x 1.25 leaves 12.5% for fragmentation and the communicators. Without device memory (the host) HOST_TOKEN_BUDGET.
 TOKEN_BUDGET_KEY = "actor.max_tokens_per_micro_batch"
 TOKEN_BUDGET_STEP = 1024
+TOKEN_BUDGET_SHARE = 0.7
 HOST_TOKEN_BUDGET = 8192
+RESHARD_KEY = "actor.fsdp_reshard_after_forward"
 
 
-def token_budget(cfg, spec: ModelSpec, total: int | None, npu: bool) -> tuple[int, str]:
-    """``actor.max_tokens_per_micro_batch=auto`` resolved for a device of ``total`` bytes: (tokens, how). The plan
-    and the engines call this alike (the engine with what its runtime reports), so both size the same budget."""
+def token_budget(cfg, spec: ModelSpec, total: int | None, npu: bool) -> tuple[int, str | None, str]:
+    """``actor.max_tokens_per_micro_batch=auto`` resolved for a device of ``total`` bytes: (tokens, fsdp's layout,
+    how). With ``actor.fsdp_reshard_after_forward: auto`` too the budget decides it: the layout that allows the
+    largest budget, layers kept gathered on a tie (``off``; ``on`` = ZeRO-3); None for megatron or a layout the
+    config fixes. The plan and the engines call this alike (the engine with what its runtime reports)."""
     step, lay = TOKEN_BUDGET_STEP, layout(cfg)
-    per_device = seq_len(cfg) // ulysses_size(cfg)  # the budget is per device; Ulysses splits a sequence over SP
+    per_device = -(-seq_len(cfg) // ulysses_size(cfg))  # the budget is per device; Ulysses splits a sequence over SP
     floor = -(-per_device // step) * step
+    fsdp_auto = cfg.actor.engine == "fsdp" and cfg.actor.fsdp_reshard_after_forward == "auto"
+    layouts = ["off", "on"] if fsdp_auto else [None]
     if total is None:
-        return max(floor, HOST_TOKEN_BUDGET), "no device memory to size it by (the host)"
+        return max(floor, HOST_TOKEN_BUDGET), None, "no device memory to size it by (the host)"
     samples = max(cfg.actor.ppo_mini_batch_size * cfg.rollout.n // lay.dp, 1)
     ceiling = max(-(-samples * per_device // step) * step, floor)
     extra = communicator_bytes(training_communicators(cfg, spec)) if npu else 0
+    limit = TOKEN_BUDGET_SHARE * total
 
-    def peak(budget: int) -> int:
-        return train_phase(with_value(cfg, TOKEN_BUDGET_KEY, budget), spec, total).total + extra
+    def peak(budget: int, mode: str | None) -> int:
+        fixed = with_value(cfg, RESHARD_KEY, mode) if mode else cfg
+        return train_phase(with_value(fixed, TOKEN_BUDGET_KEY, budget), spec, total).total + extra
 
-    limit = KEEP_GATHERED_SHARE * total
-    if peak(floor) > limit:
-        return floor, f"one full sequence a micro-batch; the training phase needs {peak(floor) / GIB:.1f} GiB even so"
-    low, high = floor // step, ceiling // step  # peak grows with the budget: the largest that fits, by bisection
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if peak(mid * step) <= limit else (low, mid - 1)
-    budget = low * step
-    return budget, f"training {peak(budget) / GIB:.1f} GiB of the device's {total / GIB:.1f} GiB"
+    best: tuple[int, str | None] | None = None
+    for mode in layouts:  # within one layout the peak grows with the budget: the largest that fits, by bisection
+        low, high = floor // step - 1, ceiling // step  # low - 1: nothing fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if peak(mid * step, mode) <= limit else (low, mid - 1)
+        if low * step >= floor and (best is None or low * step > best[0]):
+            best = (low * step, mode)
+    if best is None:
+        need = min(peak(floor, mode) for mode in layouts) / GIB
+        return floor, layouts[-1], f"one full sequence a micro-batch; the training phase needs {need:.1f} GiB even so"
+    budget, mode = best
+    kept = {"off": ", layers kept gathered", "on": ", ZeRO-3"}.get(mode or "", "")
+    return budget, mode, f"training {peak(budget, mode) / GIB:.1f} GiB of the device's {total / GIB:.1f} GiB{kept}"
 
 
 def resolved_budget(cfg, spec: ModelSpec, total: int | None, npu: bool):
-    """``cfg`` with an ``auto`` token budget replaced by :func:`token_budget`'s (the same config otherwise)."""
+    """``cfg`` with an ``auto`` token budget replaced by :func:`token_budget`'s, and fsdp's ``auto`` layout by the
+    one it chose (the same config otherwise)."""
     if cfg.actor.max_tokens_per_micro_batch != "auto":
         return cfg
-    return with_value(cfg, TOKEN_BUDGET_KEY, token_budget(cfg, spec, total, npu)[0])
+    budget, mode, _ = token_budget(cfg, spec, total, npu)
+    out = with_value(cfg, TOKEN_BUDGET_KEY, budget)
+    return with_value(out, RESHARD_KEY, mode) if mode else out
 
 
 def train_phase(cfg, spec: ModelSpec, usable: int | None = None) -> Phase:

@@ -186,9 +186,10 @@ def policy_objective(
 
 def sized_token_budget(cfg, backend: Backend, device: torch.device, model_path: str, verbose: bool):
     """``cfg`` with ``actor.max_tokens_per_micro_batch=auto`` resolved by the planner for this device
-    (``planner.token_budget``, from the memory the runtime reports), the smallest over the ranks (they run the same
-    micro-batching), said once; any other config as it is. On the host, or for a model the planner cannot size,
-    the planner's host budget."""
+    (``planner.token_budget``, from the memory the runtime reports; with fsdp's ``auto`` layout, that layout too),
+    the smallest over the ranks (they run the same micro-batching; ZeRO-3 if any rank needs it: it fits wherever
+    keeping the layers gathered does), said once; any other config as it is. On the host, or for a model the planner
+    cannot size, the planner's host budget."""
     if cfg.actor.max_tokens_per_micro_batch != "auto":
         return cfg
     from gspo_ascend.doctor import planner
@@ -200,12 +201,13 @@ def sized_token_budget(cfg, backend: Backend, device: torch.device, model_path: 
             spec = load_spec(model_path)
         except UserError as exc:
             total, unsized = None, f"the planner cannot size this model: {exc}"
-    budget, how = planner.token_budget(cfg, spec, total, backend.name == "npu")
-    budget = int(_all_reduce([budget], dist.ReduceOp.MIN, device)[0])
+    own, mode, how = planner.token_budget(cfg, spec, total, backend.name == "npu")
+    budget, kept = (int(v) for v in _all_reduce([own, float(mode != "on")], dist.ReduceOp.MIN, device))
     if verbose:
-        note = f"{budget:,} tokens a micro-batch ({unsized or how})"
-        print(f"note: actor.max_tokens_per_micro_batch=auto: {note}", flush=True)
-    return planner.with_value(cfg, planner.TOKEN_BUDGET_KEY, budget)
+        why = unsized or (how if budget == own else "the smallest device's")
+        print(f"note: actor.max_tokens_per_micro_batch=auto: {budget:,} tokens a micro-batch ({why})", flush=True)
+    out = planner.with_value(cfg, planner.TOKEN_BUDGET_KEY, budget)
+    return planner.with_value(out, planner.RESHARD_KEY, "off" if kept else "on") if mode else out
 
 
 def _all_reduce(values, op, device) -> torch.Tensor:

@@ -148,25 +148,28 @@ def test_an_auto_token_budget_is_sized_at_start_and_said(model_path, monkeypatch
     engine.close()
     device = 24 * 2**30  # as if the runtime reported a 24 GiB device
     monkeypatch.setattr(type(backend), "total_memory", lambda self, index=0: device)
-    want = planner.token_budget(cfg, load_spec(model_path), device, npu=False)[0]
-    assert want > planner.HOST_TOKEN_BUDGET  # the tiny model: the whole minibatch fits
+    want, mode, how = planner.token_budget(cfg, load_spec(model_path), device, npu=False)
+    assert want > planner.HOST_TOKEN_BUDGET and mode == "off"  # the tiny model: the whole minibatch, kept gathered
     engine = FSDPEngine(cfg, backend, model_path)
-    assert engine.cfg.actor.max_tokens_per_micro_batch == want
+    assert engine.cfg.actor.max_tokens_per_micro_batch == want and engine.keep_gathered
     engine.close()
     said = [line for line in capsys.readouterr().out.splitlines() if "max_tokens_per_micro_batch=auto" in line]
     assert said == [
         f"note: actor.max_tokens_per_micro_batch=auto: {planner.HOST_TOKEN_BUDGET:,} tokens a micro-batch "
         "(no device memory to size it by (the host))",
-        f"note: actor.max_tokens_per_micro_batch=auto: {want:,} tokens a micro-batch "
-        f"({planner.token_budget(cfg, load_spec(model_path), device, npu=False)[1]})",
+        f"note: actor.max_tokens_per_micro_batch=auto: {want:,} tokens a micro-batch ({how})",
     ]
 
 
 def test_a_token_budget_is_a_positive_number_or_auto():
     assert _cfg("actor.max_tokens_per_micro_batch=auto").actor.max_tokens_per_micro_batch == "auto"
-    for bad, fragment in (("lots", "must be int or one of 'auto' or null"), ("0", "must be > 0 or null")):
+    for bad, fragment in (("lots", "must be int or one of 'auto' or null"), ("0", "must be > 0, auto or null")):
         with pytest.raises(ConfigError, match=fragment):
             _cfg(f"actor.max_tokens_per_micro_batch={bad}")
+    # a padded micro-batch is samples x its longest, which a token budget does not bound: auto is for packed ones
+    for padded in (["actor.use_remove_padding=false"], ["actor.engine=megatron", "actor.context_parallel_size=2"]):
+        with pytest.raises(ConfigError, match=r"'actor.max_tokens_per_micro_batch' \(auto\) sizes packed"):
+            _cfg("actor.max_tokens_per_micro_batch=auto", *padded)
 
 
 def test_the_planner_counts_the_fused_heads_chunk():

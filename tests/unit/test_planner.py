@@ -263,18 +263,29 @@ def test_an_auto_token_budget_is_the_largest_that_fits_by_hand():
     spec = load_spec(cfg.model.path)
     # from that test's numbers: weights + gradients + optimizer + gathered = 7,102,519,296, the fused head's chunk and
     # weight gradient 4,045,144,064 (constant from 1,024 tokens on), the HCCL buffers 838,860,800 = 11,986,524,160
-    # fixed; activations 2,448,424,960 / 10,240 = 239,104 B a token. 0.8 x 64 GiB = 54,975,581,388.8 leaves
-    # 42,989,057,228.8 B = 179,793.2 tokens -> 175 x 1,024 = 179,200 (the minibatch would allow 32 x 10,240)
-    budget, how = planner.token_budget(cfg, spec, A2.hbm_mib * 2**20, npu=True)
-    assert budget == 179_200 and "of the device's 64.0 GiB" in how
+    # fixed; activations 2,448,424,960 / 10,240 = 239,104 B a token. 0.7 x 64 GiB = 48,103,633,715.2 leaves
+    # 36,117,109,555.2 B = 151,052.6 tokens -> 147 x 1,024 = 150,528 (the minibatch would allow 32 x 10,240)
+    budget, mode, how = planner.token_budget(cfg, spec, A2.hbm_mib * 2**20, npu=True)
+    assert (budget, mode) == (150_528, None) and "of the device's 64.0 GiB" in how  # the config fixes ZeRO-3
     p = plan(cfg, spec, A2)
-    assert p.train.parts["activations"] == 239_104 * 179_200 and p.train_verdict == "fits"
+    assert p.train.parts["activations"] == 239_104 * 150_528 and p.train_verdict == "fits"
     assert "(actor.max_tokens_per_micro_batch=auto)" in p.train.notes["activations"]
     assert all(k.key != "actor.max_tokens_per_micro_batch" for k in p.knobs)  # auto is not halved
+    # fsdp's layout auto too: kept gathered costs 18,515,632,128 - 930,641,920 B more here, so ZeRO-3 allows the
+    # larger budget and is chosen; where both reach the whole minibatch, kept gathered (no re-gathers)
+    both = config.load_config(None, [*args[:-1], "actor.max_tokens_per_micro_batch=auto"])
+    assert planner.token_budget(both, spec, A2.hbm_mib * 2**20, npu=True)[:2] == (150_528, "on")
+    assert planner.token_budget(both, spec, 2**50, npu=True)[:2] == (16 * 16 // 8 * 10_240, "off")
+    resolved = planner.resolved_budget(both, spec, A2.hbm_mib * 2**20, True).actor
+    assert (resolved.max_tokens_per_micro_batch, resolved.fsdp_reshard_after_forward) == (150_528, "on")
     # bounds: one full sequence a device (10,240 = 10 x 1,024) when nothing fits, or on the host (at least 8,192);
     # a DP rank's whole minibatch when everything fits; Ulysses SP 2 halves the sequence a device holds
     assert planner.token_budget(cfg, spec, 8 * 2**30, npu=True)[0] == 10_240
-    assert planner.token_budget(cfg, spec, None, npu=True) == (10_240, "no device memory to size it by (the host)")
+    assert planner.token_budget(cfg, spec, None, npu=True) == (
+        10_240,
+        None,
+        "no device memory to size it by (the host)",
+    )
     assert planner.token_budget(cfg, spec, 2**50, npu=True)[0] == 16 * 16 // 8 * 10_240
     sp2 = config.load_config(
         None, [*args, "actor.ulysses_sequence_parallel_size=2", "actor.max_tokens_per_micro_batch=auto"]

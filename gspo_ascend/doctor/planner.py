@@ -286,9 +286,10 @@ def fsdp_keeps_gathered(cfg, spec: ModelSpec, usable: int | None, world: int) ->
 
 # actor.max_tokens_per_micro_batch=auto: the largest budget, a multiple of TOKEN_BUDGET_STEP tokens, whose training
 # phase (with the training communicators' buffers on NPU) stays within TOKEN_BUDGET_SHARE of the device; never below
-# one full sequence a device, never above a DP rank's whole minibatch. The share is below KEEP_GATHERED_SHARE because
-# the budget fills it: the last lent GPU measured fsdp's peak at 1.25x this plan (4k budget, docs/results/gpu), and
-# 0.7 x 1.25 leaves 12.5% for fragmentation and the communicators. Without device memory (the host) HOST_TOKEN_BUDGET.
+# one full sequence a device, never above a DP rank's whole minibatch (megatron: a 1 / PP of it). The share is below
+# KEEP_GATHERED_SHARE because the budget fills it: the last lent GPU measured fsdp's peak at 1.25x this plan (4k
+# budget, docs/results/gpu), and 0.7 x 1.25 leaves 12.5% for fragmentation and the communicators. Without device
+# memory (the host) HOST_TOKEN_BUDGET.
 TOKEN_BUDGET_KEY = "actor.max_tokens_per_micro_batch"
 TOKEN_BUDGET_STEP = 1024
 TOKEN_BUDGET_SHARE = 0.7
@@ -309,7 +310,9 @@ def token_budget(cfg, spec: ModelSpec, total: int | None, npu: bool) -> tuple[in
     if total is None:
         return max(floor, HOST_TOKEN_BUDGET), None, "no device memory to size it by (the host)"
     samples = max(cfg.actor.ppo_mini_batch_size * cfg.rollout.n // lay.dp, 1)
-    ceiling = max(-(-samples * per_device // step) * step, floor)
+    # megatron's pipeline overlaps stages only across micro-batches: at most 1 / PP of the minibatch each
+    stages = lay.pp if cfg.actor.engine == "megatron" else 1
+    ceiling = max(-(-samples * per_device // (stages * step)) * step, floor)
     extra = communicator_bytes(training_communicators(cfg, spec)) if npu else 0
     limit = TOKEN_BUDGET_SHARE * total
 

@@ -291,6 +291,10 @@ def test_an_auto_token_budget_is_the_largest_that_fits_by_hand():
         None, [*args, "actor.ulysses_sequence_parallel_size=2", "actor.max_tokens_per_micro_batch=auto"]
     )
     assert planner.token_budget(sp2, spec, 8 * 2**30, npu=True)[0] == 5_120
+    # megatron with PP 2 (the 30B layout): at most half a DP rank's minibatch, 32 x 8 / DP 2 x 8,192 / 2 tokens, so
+    # both stages have micro-batches to overlap
+    moe = config.load_config(None, [*MOE, *TP4_PP2_EP4, "actor.max_tokens_per_micro_batch=auto"])
+    assert planner.token_budget(moe, load_spec(moe.model.path), 2**50, npu=True)[:2] == (128 * 8_192 // 2, None)
     # a config with a number keeps it
     assert planner.resolved_budget(cfg, spec, None, True).actor.max_tokens_per_micro_batch == 10_240
     fixed = config.load_config(None, [*args, "actor.max_tokens_per_micro_batch=4096"])

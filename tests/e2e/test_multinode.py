@@ -150,17 +150,22 @@ def launch_two_nodes(r: dict, out: Path) -> tuple[subprocess.CompletedProcess, s
     return head, worker_out
 
 
-def start_node(r: dict, *args: str, head: bool) -> subprocess.Popen:
+def start_node(r: dict, *args: str, temp: Path, head: bool) -> subprocess.Popen:
+    """``ray start --block`` with its own temp directory; what it prints goes to ``temp/ray-start.log``, which
+    wait_for_nodes shows if the node dies before it serves."""
     env = dict(r["env"])
     if head:  # the head decides when a silent node is dead: 3 missed checks of 1 s (Ray's default: 5 of 3 s)
         env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
-    return subprocess.Popen(
-        [RAY, "start", "--block", "--disable-usage-stats", "--num-cpus=1", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with open(temp / "ray-start.log", "wb") as log:
+        proc = subprocess.Popen(
+            [RAY, "start", "--block", "--disable-usage-stats", "--num-cpus=1", f"--temp-dir={temp}", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    proc.log = temp / "ray-start.log"  # type: ignore[attr-defined]
+    return proc
 
 
 def start_head(r: dict, cluster: list, gcs: int, client: int, agent: int, temp: Path) -> str:
@@ -168,30 +173,43 @@ def start_head(r: dict, cluster: list, gcs: int, client: int, agent: int, temp: 
     its address once it serves."""
     args = ("--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--include-dashboard=false")
     ports = (f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}")
-    cluster.append(start_node(r, *args, *ports, f"--temp-dir={temp}", head=True))
+    cluster.append(start_node(r, *args, *ports, temp=temp, head=True))
     address = f"127.0.0.1:{gcs}"
-    wait_for_nodes(r, address, 1)
+    wait_for_nodes(r, address, 1, cluster[-1:])
     return address
 
 
 def join_node(r: dict, cluster: list, address: str, agent: int, temp: Path, nodes: int) -> subprocess.Popen:
     """A worker node joining ``address``, kept in ``cluster``, returned once ``nodes`` nodes serve."""
     args = (f"--address={address}", "--node-ip-address=127.0.0.1", f"--dashboard-agent-listen-port={agent}")
-    node = start_node(r, *args, f"--temp-dir={temp}", head=False)
+    node = start_node(r, *args, temp=temp, head=False)
     cluster.append(node)
-    wait_for_nodes(r, address, nodes)
+    wait_for_nodes(r, address, nodes, [node])
     return node
 
 
-def wait_for_nodes(r: dict, address: str, n: int, timeout: float = 180) -> None:
+def wait_for_nodes(r: dict, address: str, n: int, started: list, timeout: float = 180) -> None:
+    """Until ``n`` nodes are active at ``address``; fails at once, with its log, if a node in ``started`` exits."""
     deadline = time.monotonic() + timeout
+    status = None
     while time.monotonic() < deadline:
-        status = subprocess.run([RAY, "status", f"--address={address}"], env=r["env"], capture_output=True, text=True)
+        for proc in started:
+            if proc.poll() is not None:
+                log = proc.log.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"`ray start` exited ({proc.returncode}) before serving {address}:\n{log}")
+        try:
+            status = subprocess.run(
+                [RAY, "status", f"--address={address}"], env=r["env"], capture_output=True, text=True, timeout=60
+            )
+        except subprocess.TimeoutExpired:
+            continue
         active = status.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
         if status.returncode == 0 and active.count("node_") >= n:
             return
         time.sleep(1)
-    raise AssertionError(f"{n} Ray node(s) did not join {address} within {timeout} s")
+    said = "" if status is None else (status.stdout + status.stderr)[-2000:]
+    logs = "".join(f"\n--- {p.log}:\n" + p.log.read_text(errors="replace")[-2000:] for p in started)
+    raise AssertionError(f"{n} Ray node(s) did not join {address} within {timeout} s; `ray status`:\n{said}{logs}")
 
 
 def train_on(r: dict, address: str, out: Path) -> list[str]:

@@ -408,14 +408,50 @@ def test_requirements_ray_has_the_job_server_extra():
 # ----------------------------------------------------------------------------------------------- real Ray
 
 
+# Ray's worker processes take ports 10002-19999 (``ray start --min/max-worker-port``'s defaults) and every port a
+# component asks the kernel for (raylet, object manager, metrics; an outgoing connection's local end) comes from
+# the ephemeral range. A port drawn from either can be taken again between our check and ``ray start`` binding it:
+# a head then dies at start (seen once in CI, its GCS port 58067 in the ephemeral range, while the MindSpeed venvs
+# downloaded beside it). So the ports we hand Ray come from the gap between the two ranges.
+RAY_WORKER_PORTS = range(10002, 20000)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))  # Ray's GCS and agents listen on every address
+        except OSError:
+            return False
+    return True
+
+
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """``n`` distinct ports free now, outside Ray's worker ports and the kernel's ephemeral range (see above)."""
+    import random
+
+    gap = range(RAY_WORKER_PORTS.stop, _ephemeral_low())
+    if len(gap) < 100 * n:  # an unusual port range: fall back to the kernel's choice
+        socks = [socket.socket() for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+        for s in socks:
+            s.close()
+        return ports
+    ports: list[int] = []
+    for port in random.sample(gap, min(len(gap), 50 * n)):
+        if _bindable(port):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise AssertionError(f"fewer than {n} free ports in {gap.start}-{gap.stop - 1}")
 
 
 HARNESS = """

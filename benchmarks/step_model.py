@@ -438,7 +438,8 @@ def _q30_sources(atlas: bool, median: float, sigma: float, mean_resp: float, ctx
         f"{'atlas-800t-a2' if atlas else 'h20'}) / 10,240 (full-length sequences: conservative, vLLM admits by use)",
         "max_concurrency_disagg": "assumed twice the colocated KV (a rollout-only device can raise "
         "gpu_memory_utilization from 0.5 to ~0.8), at most vLLM's max_num_seqs 256",
-        "min_trainer_devices": f"{plan}: " + ("8 Atlas devices OOM (66.8 GiB of 60.0), 12 fit (45.8, TP4 PP3 EP4)"
+        "min_trainer_devices": f"{plan}: " + ("8 Atlas devices OOM (66.8 GiB of 60.0), 12 fit (51.5 GiB at TP2 PP6 "
+        "EP2: the disaggregated config, every group within a node's 6)"
         if atlas else "8 H20 fit (66.8 GiB of 94.6); 4 is no layout (TP4 x PP2 = 8)"),
         "total_devices": "2 nodes x 8 (scripts/npu/qwen3_30b_gspo.sh, scripts/gpu/qwen3_30b_gspo.sh)",
     }

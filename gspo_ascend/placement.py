@@ -21,6 +21,13 @@ The groups are those the engines really build, with the same rank arithmetic:
 * vLLM rollout (``rollout.engine=vllm``): ``engines/rollout_shards.py`` :func:`rollout_tp_groups`, ``tp``
   consecutive ranks.
 
+A disaggregated run's two pools share every node (the launch scripts start each node with both pools' devices):
+PACK alone would fill the first node with the trainer's bundles (2 x (6 + 2) devices: 8 trainer ranks on one node,
+4 + the 4 rollout ranks on the other), not the per-node split the config, the preflight and the planner describe.
+So the launcher gives every node its pools' shares as resources of their own (:data:`POOL_RESOURCES`) and each
+pool's bundles ask for one (:func:`pool_bundle`); :func:`nominal_split` is the same group check on that layout, for
+the preflight, before anything starts.
+
 How we differ from verl: verl also relies on PACK's bundle order for its TP groups and does not check it.
 """
 
@@ -31,6 +38,11 @@ from typing import NamedTuple
 
 from .config import Config
 from .errors import UserError
+
+# A node's share of each pool (scripts/lib/ray.sh gives every node DEVICES_PER_NODE and ROLLOUT_DEVICES_PER_NODE of
+# them beside its devices); a pool's bundle asks for one of its own
+POOL_RESOURCES = {"trainer": "gspo_trainer_pool", "rollout": "gspo_rollout_pool"}
+POOL_KEYS = {"trainer": "trainer.devices_per_node", "rollout": "rollout_pool.devices_per_node"}
 
 ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default `order`, which engines/megatron.py leaves as it is
 
@@ -148,3 +160,38 @@ def check_node_local(cfg: Config, nodes: Sequence[tuple[str, str]], train: bool 
         f"holding some, each node's Ray resources matching) with {split.key} ({len(split.ranks)}) dividing it, or "
         f"lower {split.key}"
     )
+
+
+def pool_bundle(
+    bundle: Mapping[str, float], pool: str, cluster: Mapping[str, float], world: int, nodes: int
+) -> tuple[dict[str, float], str | None]:
+    """The placement bundle of one rank of ``pool`` ("trainer" or "rollout", a disaggregated run's) on a cluster
+    with resources ``cluster`` and ``nodes`` alive nodes, and a line to say (None: nothing to say). Where the nodes
+    give the pool's resource, each bundle asks for one, so a node holds exactly its share of the pool; a cluster
+    started by hand without it keeps PACK's placement, said once where it has several nodes."""
+    name, key = POOL_RESOURCES[pool], POOL_KEYS[pool]
+    have = cluster.get(name)
+    if have is None:
+        if nodes <= 1:
+            return dict(bundle), None
+        return dict(bundle), (
+            f"note: this cluster's nodes give no '{name}' resource (the launch scripts give each node its "
+            f"{key} of them), so Ray's PACK decides how many of the {pool} pool's {world} ranks each node holds, "
+            "not the config; a group that spans nodes is still refused"
+        )
+    if have < world:
+        raise UserError(
+            f"the cluster's nodes give {have:g} '{name}' in all and the {pool} pool needs {world}: start every node "
+            f"with the same launch script and DEVICES_PER_NODE / ROLLOUT_DEVICES_PER_NODE (a node's share, {key})"
+        )
+    return {**bundle, name: 1}, None
+
+
+def nominal_split(cfg: Config) -> Split | None:
+    """The first training group that the config's own layout splits over nodes, or None: the trainer's ranks
+    numbered node by node, ``trainer.devices_per_node`` to a node (as :func:`pool_bundle` places a trainer pool,
+    and a colocated run's nodes hold them). vLLM's groups are the preflight's ``rollout-tp`` rule."""
+    t = cfg.trainer
+    if t.nnodes <= 1 or t.devices_per_node <= 0:
+        return None
+    return find_split(cfg, [str(r // t.devices_per_node) for r in range(t.nnodes * t.devices_per_node)], rollout=False)

@@ -2,7 +2,8 @@
 them (a pool of a disaggregated run: pools.py).
 
 Layout. ``trainer.nnodes x trainer.devices_per_node`` actors are placed with one placement group whose bundles
-ask for one unit of the device contract's Ray resource (``GPU``, ``NPU``; CPU-only: CPUs) per actor. Rank 0's
+ask for one unit of the device contract's Ray resource (``GPU``, ``NPU``; CPU-only: CPUs) per actor, and a
+pool's bundles one of its node share (placement.py ``pool_bundle``) where the nodes give it. Rank 0's
 node address and a free port there form the ``torch.distributed`` rendezvous; the process group uses the
 backend's collective (``gloo`` on CPU and under the NPU shim). Every actor runs both engines on its device:
 training and rollout share devices, and after each optimizer phase the rollout weights are refreshed from the
@@ -325,7 +326,7 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .placement import check_node_local, rank_bundles
+        from .placement import check_node_local, pool_bundle, rank_bundles
 
         self.cfg = cfg
         self.world_size = cfg.trainer.nnodes * cfg.trainer.devices_per_node
@@ -340,6 +341,13 @@ class WorkerGroup:
             )
         threads = (cfg.trainer.cpu_threads or max(1, cpus // actors)) if on_cpu else 1
         bundle = {"CPU": threads} if backend.ray_resource is None else {"CPU": 1, backend.ray_resource: 1}
+        # a pool of a disaggregated run asks for its node's share of that pool (placement.py, scripts/lib/ray.sh)
+        if not (train and rollout):
+            alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+            pool = "trainer" if train else "rollout"
+            bundle, note = pool_bundle(bundle, pool, ray.cluster_resources(), self.world_size, alive)
+            if note:
+                print(note, file=sys.stderr, flush=True)
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         if not _wait_ready(self.pg, timeout_s=120):
             raise UserError(

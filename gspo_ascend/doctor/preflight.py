@@ -250,6 +250,31 @@ def rule_rollout_tp(cfg, spec: ModelSpec | None) -> Iterable[Check]:
     )
 
 
+def rule_node_local(cfg, spec: ModelSpec | None) -> Iterable[Check]:
+    """Every training group that must lie within a node (placement.py: megatron's TP / EP / ETP, fsdp's Ulysses)
+    inside one node of the config's own layout, ``trainer.devices_per_node`` ranks to a node: the start refuses a
+    group that spans nodes where the ranks really run (placement.check_node_local); this says it before launch."""
+    from ..placement import nominal_split
+
+    split = nominal_split(cfg)
+    t = cfg.trainer
+    problem = None
+    if split is not None:
+        spans = len({r // t.devices_per_node for r in split.ranks})
+        problem = (
+            f"the {split.what} group of ranks {split.ranks} would span {spans} nodes (trainer.nnodes {t.nnodes} x "
+            f"trainer.devices_per_node {t.devices_per_node}, ranks numbered node by node), so its collectives "
+            "would cross the network"
+        )
+    fix = (
+        f"choose {split.key} (now {len(split.ranks)}) so that its groups fit in trainer.devices_per_node "
+        f"({t.devices_per_node}) ranks, or change trainer.devices_per_node"
+        if split
+        else ""
+    )
+    yield _check("node-local", problem, f"every training group within one node of {t.devices_per_node} ranks", fix)
+
+
 def rule_batch(cfg, spec: ModelSpec | None) -> Iterable[Check]:
     """Each minibatch (ppo_mini_batch_size prompts x rollout.n samples) splits over the data-parallel ranks,
     and Megatron asserts 'global batch size (X) is not divisible by micro batch size (Y) times data
@@ -375,6 +400,7 @@ RULES: tuple[Rule, ...] = (
     rule_moe_folding,
     rule_moe_sp,
     rule_rollout_tp,
+    rule_node_local,
     rule_batch,
     rule_micro_batch,
     rule_seq_len,

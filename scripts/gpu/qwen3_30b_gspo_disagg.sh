@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GSPO on Qwen3-30B-A3B (MoE) with disaggregated rollout on 2 x NVIDIA H20 nodes (8 x 96 GB GPUs each): per node
 # 6 GPUs train (megatron-core) and 2 generate (vLLM), one-step-off (rollout_pool.max_staleness=1): batch k + 1
-# generates while batch k trains. Config: configs/qwen3_30b_a3b_gspo_disagg.yaml (trainer 2 x 6: TP 4 x PP 3,
-# EP 4; rollout pool 2 x 2: vLLM TP 2).
+# generates while batch k trains. Config: configs/qwen3_30b_a3b_gspo_disagg.yaml (trainer 2 x 6: TP 2 x PP 6,
+# EP 2; rollout pool 2 x 2: vLLM TP 2; each node gives Ray both shares, so 6 + 2 is where the ranks run).
 #   head:      MODEL_PATH=/models/Qwen3-30B-A3B DATA_DIR=data/dapo bash scripts/gpu/qwen3_30b_gspo_disagg.sh
 #   worker(s): NODE_RANK=1 HEAD_ADDR=<head ip> bash scripts/gpu/qwen3_30b_gspo_disagg.sh
 #   check:     bash scripts/gpu/qwen3_30b_gspo_disagg.sh --dry-run   (config, preflight, memory plan; no hardware)

@@ -9,7 +9,8 @@
 # that are not ours. A cluster that was already running is used as is and left running; the job we submitted is
 # stopped by its submission id if we are interrupted.
 #
-# Reads: DRY_RUN, NNODES, NODE_DEVICES (a node's devices: both pools'), HEAD_ADDR, RAY_PORT, DASHBOARD_PORT,
+# Reads: DRY_RUN, NNODES, NODE_DEVICES (a node's devices: both pools'), DEVICES_PER_NODE and
+# ROLLOUT_DEVICES_PER_NODE (the two pools' shares of them), HEAD_ADDR, RAY_PORT, DASHBOARD_PORT,
 # WAIT_TIMEOUT, RAY_BIN, RAY_RESOURCE, RAY_LOG, JOB_ADDRESS, RUNTIME_ENV, RUN_NAME and the optional RAY_TMPDIR
 # (Ray's --temp-dir), RAY_START_ARGS (extra `ray start` arguments), RAY_POLL_S (seconds between checks); uses say /
 # show / die.
@@ -66,13 +67,22 @@ ray_start_bg() {
 }
 
 # `ray start` arguments of this node: the device count, RAY_TMPDIR (Ray accepts --temp-dir on the head only), then
-# RAY_START_ARGS (last, so that a user's value of the same option wins).
+# RAY_START_ARGS (last, so that a user's value of the same option wins). With a rollout pool the node also gives
+# each pool its share as a resource of its own (gspo_trainer_pool, gspo_rollout_pool: gspo_ascend/placement.py):
+# each pool's bundles ask for one, so Ray puts DEVICES_PER_NODE trainer and ROLLOUT_DEVICES_PER_NODE rollout ranks
+# on every node, the split the config describes. Without them PACK fills the first node with the trainer's bundles.
 ray_node_args() {
+  local custom=()
   case $RAY_RESOURCE in
     GPU) printf '%s\n' "--num-gpus=$NODE_DEVICES" ;;
     CPU) ;; # Ray counts the host's CPUs itself
-    *) printf '%s\n' "--resources={\"$RAY_RESOURCE\":$NODE_DEVICES}" ;;
+    *) custom+=("\"$RAY_RESOURCE\":$NODE_DEVICES") ;;
   esac
+  if ((${ROLLOUT_DEVICES_PER_NODE:-0} > 0)); then
+    custom+=("\"gspo_trainer_pool\":$DEVICES_PER_NODE" "\"gspo_rollout_pool\":$ROLLOUT_DEVICES_PER_NODE")
+  fi
+  # one --resources: Ray keeps only the last of several
+  ((${#custom[@]} == 0)) || (IFS=,; printf '%s\n' "--resources={${custom[*]}}")
   [[ -z ${RAY_TMPDIR:-} || $1 != head ]] || printf '%s\n' "--temp-dir=$RAY_TMPDIR"
   local extra=()
   read -r -a extra <<<"${RAY_START_ARGS:-}"

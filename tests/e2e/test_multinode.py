@@ -168,21 +168,23 @@ def start_node(r: dict, *args: str, temp: Path, head: bool) -> subprocess.Popen:
     return proc
 
 
-def start_head(r: dict, cluster: list, gcs: int, client: int, agent: int, temp: Path) -> str:
+def start_head(r: dict, cluster: list, gcs: int, client: int, agent: int, temp: Path, extra: tuple = ()) -> str:
     """A head node at 127.0.0.1:``gcs``, kept in ``cluster`` (the caller stops it) before it is waited for; returns
-    its address once it serves."""
+    its address once it serves. ``extra``: more `ray start` arguments (a later one of the same option wins)."""
     args = ("--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--include-dashboard=false")
     ports = (f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}")
-    cluster.append(start_node(r, *args, *ports, temp=temp, head=True))
+    cluster.append(start_node(r, *args, *ports, *extra, temp=temp, head=True))
     address = f"127.0.0.1:{gcs}"
     wait_for_nodes(r, address, 1, cluster[-1:])
     return address
 
 
-def join_node(r: dict, cluster: list, address: str, agent: int, temp: Path, nodes: int) -> subprocess.Popen:
+def join_node(
+    r: dict, cluster: list, address: str, agent: int, temp: Path, nodes: int, extra: tuple = ()
+) -> subprocess.Popen:
     """A worker node joining ``address``, kept in ``cluster``, returned once ``nodes`` nodes serve."""
     args = (f"--address={address}", "--node-ip-address=127.0.0.1", f"--dashboard-agent-listen-port={agent}")
-    node = start_node(r, *args, temp=temp, head=False)
+    node = start_node(r, *args, *extra, temp=temp, head=False)
     cluster.append(node)
     wait_for_nodes(r, address, nodes, [node])
     return node

@@ -19,7 +19,9 @@ from gspo_ascend.placement import (
     check_node_local,
     find_split,
     node_local_groups,
+    nominal_split,
     orthogonal_groups,
+    pool_bundle,
     rank_bundles,
 )
 from tests.conftest import REPO
@@ -182,6 +184,36 @@ def test_shipped_30b_layout():
 
 def test_one_node_needs_no_check():
     assert find_split(_megatron(tp=8, nnodes=1, per_node=8), [A] * 8) is None
+
+
+def test_a_pools_bundle_asks_for_its_node_share_where_the_nodes_give_it():
+    """A disaggregated run's pools on nodes the launcher started (scripts/lib/ray.sh: 2 x {"NPU": 8,
+    "gspo_trainer_pool": 6, "gspo_rollout_pool": 2}): each bundle asks for one of its pool's, so Ray can put at most
+    6 trainer ranks on a node (PACK alone put 8 there and 4 + 4 rollout on the other)."""
+    npu = {"CPU": 1, "NPU": 1}
+    cluster = {"CPU": 384.0, "NPU": 16.0, "gspo_trainer_pool": 12.0, "gspo_rollout_pool": 4.0}
+    assert pool_bundle(npu, "trainer", cluster, 12, 2) == ({"CPU": 1, "NPU": 1, "gspo_trainer_pool": 1}, None)
+    assert pool_bundle(npu, "rollout", cluster, 4, 2) == ({"CPU": 1, "NPU": 1, "gspo_rollout_pool": 1}, None)
+    # nodes started without the shares: placement as before, said once where there are several nodes
+    bare = {"CPU": 384.0, "NPU": 16.0}
+    bundle, note = pool_bundle(npu, "trainer", bare, 12, 2)
+    assert bundle == npu and note.startswith("note: this cluster's nodes give no 'gspo_trainer_pool' resource")
+    assert "trainer.devices_per_node" in note and "PACK decides" in note
+    assert pool_bundle(npu, "rollout", bare, 4, 1) == (npu, None)  # one node: its split is the config's
+    # too few shares (a node started with other DEVICES_PER_NODE): one line now, not Ray's 120 s wait
+    with pytest.raises(UserError, match=r"give 8 'gspo_trainer_pool' in all and the trainer pool needs 12"):
+        pool_bundle(npu, "trainer", {**cluster, "gspo_trainer_pool": 8.0}, 12, 2)
+
+
+def test_the_nominal_layout_is_the_one_pool_bundle_places():
+    """Ranks r // devices_per_node: TP 4 on 2 x 6 splits [4, 5, 6, 7]; TP 2 x PP 6 x EP 2 does not; one node never."""
+    assert nominal_split(_megatron(tp=4, pp=3, ep=4, per_node=6)) == (
+        "megatron tensor-parallel",
+        "actor.tensor_parallel_size",
+        [4, 5, 6, 7],
+    )
+    assert nominal_split(_megatron(tp=2, pp=6, ep=2, per_node=6)) is None
+    assert nominal_split(_megatron(tp=8, nnodes=1, per_node=8)) is None
 
 
 # ------------------------------------------------------------------------------------- WorkerGroup itself

@@ -210,12 +210,14 @@ def test_rule_devices_per_node_against_the_host():
     assert not [c for c in run(MOE_2X8, hardware=HardwareInfo("cpu")) if c.name == "preflight:devices"]
 
 
-# The disaggregated 30B layout (configs/qwen3_30b_a3b_gspo_disagg.yaml): trainer 2 x 6 (TP 4 x PP 3, EP 4) and a
-# rollout pool of 2 x 2 (vLLM TP 2) sharing both nodes.
+# The disaggregated 30B layout (configs/qwen3_30b_a3b_gspo_disagg.yaml): trainer 2 x 6 (TP 2 x PP 6, EP 2) and a
+# rollout pool of 2 x 2 (vLLM TP 2) sharing both nodes: 6 + 2 devices on each.
 POOLS_2X8 = [
     *MOE_2X8,
     "trainer.devices_per_node=6",
-    "actor.pipeline_parallel_size=3",
+    "actor.tensor_parallel_size=2",
+    "actor.pipeline_parallel_size=6",
+    "actor.expert_parallel_size=2",
     "rollout.tensor_parallel_size=2",
     "rollout_pool.nnodes=2",
     "rollout_pool.devices_per_node=2",
@@ -233,8 +235,30 @@ def test_rule_rollout_tp_fits_a_node_of_the_rollout_pool():
 
 
 def test_rule_world_applies_to_the_trainer_pool_only():
-    bad = finding(run(POOLS_2X8, "actor.pipeline_parallel_size=2"), "world")  # 12 trainer ranks, TP 4 x PP 2 = 8
+    tp4_pp2 = ("actor.tensor_parallel_size=4", "actor.pipeline_parallel_size=2")  # 12 trainer ranks, TP x PP = 8
+    bad = finding(run(POOLS_2X8, *tp4_pp2), "world")
     assert bad.status == "fail" and "world 12 (trainer.nnodes x trainer.devices_per_node)" in bad.finding
+
+
+def test_rule_node_local_groups_fit_the_configs_nodes():
+    """Audit 3, finding 2: the disaggregated config's old layout, TP 4 x PP 3 (EP 4) on 2 x 6 trainer devices,
+    numbers ranks 0-5 on the first node and 6-11 on the second, so its TP group [4, 5, 6, 7] spans both. It passed
+    the preflight and started only because Ray's PACK put 8 trainer ranks on one node. TP 2 x PP 6 x EP 2 keeps
+    every group in one node; TP 2 x PP 3 x EP 4, the planner's other fit, splits stage 1's expert group."""
+    old = ("actor.tensor_parallel_size=4", "actor.pipeline_parallel_size=3", "actor.expert_parallel_size=4")
+    bad = finding(run(POOLS_2X8, *old), "node-local")
+    assert bad.status == "fail"
+    assert bad.finding.startswith("the megatron tensor-parallel group of ranks [4, 5, 6, 7] would span 2 nodes")
+    assert "trainer.nnodes 2 x trainer.devices_per_node 6" in bad.finding
+    assert bad.fix.startswith("choose actor.tensor_parallel_size (now 4) so that its groups fit in")
+    assert finding(run(POOLS_2X8), "node-local").status == "ok"
+    ep = finding(run(POOLS_2X8, "actor.pipeline_parallel_size=3", "actor.expert_parallel_size=4"), "node-local")
+    assert ep.status == "fail" and "megatron expert-parallel group of ranks [4, 5, 6, 7]" in ep.finding
+    # a colocated layout: 2 x 8 with TP 4 and EP 4 folds into nodes; Ulysses SP 4 over 2 x 6 does not (ranks 4-7)
+    assert finding(run(MOE_2X8), "node-local").status == "ok"
+    sp = ("actor.engine=fsdp", "actor.ulysses_sequence_parallel_size=4", "trainer.devices_per_node=6")
+    uly = finding(run(MOE_2X8, *sp, "actor.tensor_parallel_size=1", "rollout.tensor_parallel_size=2"), "node-local")
+    assert uly.status == "fail" and "Ulysses sequence-parallel group of ranks [4, 5, 6, 7]" in uly.finding
 
 
 def test_rule_pools_fit_the_node():

@@ -202,7 +202,12 @@ def test_disaggregated_dry_run_gives_ray_both_pools_devices(script, tmp_path):
     assert f"2 node(s) x 8 {'GPU' if device == 'cuda' else 'NPU'} (6 trainer + 2 rollout)" in proc.stdout
     assert "wait until 2 node(s) with 16 " in proc.stdout
     (start,) = [c for c in commands(proc.stdout) if " start --head " in c]
-    assert ("--num-gpus=8" if device == "cuda" else r"--resources=\{\"NPU\":8\}") in start
+    # and each pool's share of the node as a resource of its own, so Ray places 6 + 2 ranks per node (placement.py)
+    shares = r"\"gspo_trainer_pool\":6\,\"gspo_rollout_pool\":2\}"
+    if device == "cuda":
+        assert "--num-gpus=8" in start and r"--resources=\{" + shares in start
+    else:
+        assert r"--resources=\{\"NPU\":8\," + shares in start
     (submit,) = [c for c in commands(proc.stdout) if " job submit " in c]
     assert "rollout_pool.nnodes=2 rollout_pool.devices_per_node=2" in submit
     cfg = config.from_dict(printed_config(proc.stdout))
@@ -213,7 +218,11 @@ def test_disaggregated_dry_run_gives_ray_both_pools_devices(script, tmp_path):
     # one node of the worker: it joins with the same 8 devices
     worker = launch(script, "--dry-run", NODE_RANK="1", HEAD_ADDR="10.1.2.3")
     assert worker.returncode == 0, worker.stderr
-    assert any(" start --address=10.1.2.3:6379 " in f" {c} " for c in commands(worker.stdout))
+    (join,) = [c for c in commands(worker.stdout) if " start --address=10.1.2.3:6379 " in f" {c} "]
+    assert shares in join
+    # a colocated script's node gives Ray its devices alone
+    (colocated,) = [c for c in commands(launch(script.replace("_disagg", ""), "--dry-run").stdout) if " start " in c]
+    assert "gspo_trainer_pool" not in colocated
 
 
 @pytest.mark.parametrize(

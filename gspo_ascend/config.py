@@ -68,6 +68,11 @@ class RolloutConfig:
     cudagraph_mode: str | None = None  # FULL_DECODE_ONLY | PIECEWISE on NPU (verl's NPU GSPO guide: FULL_DECODE_ONLY)
     cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes captured, each <= one engine's sequences
     max_model_len: int | None = None  # vLLM context limit; None = max_prompt_length + max_response_length
+    # vllm engine: on = each request seeded (seed + i x n, child j + j), so a sample does not depend on the requests
+    # beside it (a resumed run repeats the uninterrupted one's samples, a rollout pool the colocated run's) at one
+    # RNG kernel per sequence per decode step in vLLM's sampler; off = one batched draw per step from vLLM's own
+    # seeded stream, a sample depending on its batch; auto = on where vLLM runs on the host, off on GPU / NPU
+    seed_requests: Literal["auto", "on", "off"] = "auto"
     # staleness studies (issue #31): the rollout engine generates with the weights of exactly this many updates
     # ago (the first steps with the initial weights), colocated only; 0 = the current weights, as training should.
     # With algorithm.old_logprobs=engine it costs one extra forward a step: the behavior/* drift metrics
@@ -558,6 +563,23 @@ def _ulysses_layout(cfg: Config) -> Iterable[str]:
         yield (
             f"config key '{key}' ({sp}) must divide the number of devices ({world} = trainer.nnodes x "
             "trainer.devices_per_node)"
+        )
+
+
+def seeded_requests(cfg: Config, on_host: bool) -> bool:
+    """``rollout.seed_requests`` with auto resolved: on where vLLM runs on the host (CPU, the emulated NPU), where
+    this project's bitwise replays run and the per-sequence draws cost nothing measurable; off on a GPU or NPU."""
+    mode = cfg.rollout.seed_requests
+    return on_host if mode == "auto" else mode == "on"
+
+
+@validator
+def _seed_requests(cfg: Config) -> Iterable[str]:
+    mode = cfg.rollout.seed_requests
+    if mode != "auto" and cfg.rollout.engine != "vllm":
+        yield (
+            f"config key 'rollout.seed_requests' ({mode}) is the vllm engine's: the hf engine seeds each chunk of "
+            "requests from its first request's seed; leave it auto with rollout.engine=hf"
         )
 
 

@@ -209,6 +209,7 @@ def start(run: Run) -> None:
     run.workers = build_workers(run.cfg, run.backend, run.model_path)
     run.schedule = build_schedule(run)
     stale_pi_old_note(run.cfg)
+    unseeded_note(run.cfg, run.backend.torch_device_type == "cpu")
     if run.resume_from is not None:
         state = load_trainer_state(run.resume_from)
         try:
@@ -247,6 +248,24 @@ def stale_pi_old_note(cfg: Config) -> None:
         "rollout policy, so the narrow clip window clips more (the staleness study: 50-55% of sequences against "
         "31-34%, and a lower reward, at 1-4 versions); algorithm.old_logprobs=recompute corrects for it "
         "(docs/partial-rollout.md)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def unseeded_note(cfg: Config, on_host: bool) -> None:
+    """One line when vLLM's requests go unseeded (``rollout.seed_requests`` off, or auto on a GPU / NPU): what that
+    gives up, and the setting that keeps it."""
+    from .config import seeded_requests
+
+    if cfg.rollout.engine != "vllm" or seeded_requests(cfg, on_host):
+        return
+    why = "off" if cfg.rollout.seed_requests == "off" else "auto off the host"
+    print(
+        f"note: vLLM's requests are unseeded (rollout.seed_requests {why}): its sampler draws every sequence's noise "
+        "in one call per decode step, so a sample depends on the requests beside it and a resumed run does not "
+        "repeat the uninterrupted one's samples; rollout.seed_requests=on seeds each (one RNG kernel per sequence "
+        "per step)",
         file=sys.stderr,
         flush=True,
     )

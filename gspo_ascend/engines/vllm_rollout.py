@@ -58,11 +58,13 @@ in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM reuses our already-initi
 (``init_distributed_environment`` skips its own init when one exists) and cuts it into W / t TP groups of t
 consecutive ranks (its "external DP x TP" layout). The t ranks of a group must call ``generate`` with the same
 prompts and parameters in lockstep; scheduling is deterministic and the sampler draws from per-request seeded
-generators, so all t ranks return the same samples (:func:`split_rollout_prompts` / :func:`gather_rollout_shards`
-are the dispatch the driver uses). Weight sync needs no transport: each rank feeds the full HF-named stream to its
-in-process worker and vLLM's weight loaders keep their TP shard; in-process, ``collective_rpc`` is a direct call, so
-the buckets go to the worker as the tensors they are, on the device (no host copy, no safetensors: audit 3
-finding 5; ``last_sync["host_bytes"]`` counts what did cross through host memory). Outside a process group (a
+generators (unseeded, ``rollout.seed_requests`` off: from a stream of vLLM's own, seeded alike on every rank,
+:class:`SamplerStream`), so all t ranks return the same samples (:func:`split_rollout_prompts` /
+:func:`gather_rollout_shards` are the dispatch the driver uses). Weight sync needs no transport: each rank feeds
+the full HF-named stream to its in-process worker and vLLM's weight loaders keep their TP shard; in-process,
+``collective_rpc`` is a direct call, so the buckets go to the worker as the tensors they are, on the device (no
+host copy, no safetensors: audit 3 finding 5; ``last_sync["host_bytes"]`` counts what did cross through host
+memory). Outside a process group (a
 standalone engine) TP > 1 keeps vLLM's own multi-process executor; TP = 1 is unchanged.
 
 How we differ from verl's vLLM rollout: verl runs vLLM inside the trainer processes (``external_launcher``) for
@@ -93,6 +95,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..compile import resolve_enforce_eager
+from ..config import seeded_requests
 from ..errors import ConfigError, UserError
 from ..npu_profile import compilation_config
 from ..patches._core import SKIPPED
@@ -167,6 +170,46 @@ def _rng_kept(backend: Backend) -> Iterator[None]:
             backend.module().set_rng_state(device)
 
 
+class SamplerStream:
+    """vLLM's sampling stream kept apart from the trainer's, for unseeded requests in-process (rollout TP > 1 under
+    ``external_launcher``). An unseeded request's noise comes from the process's default generators (vLLM 0.23
+    ``v1/sample/ops/topk_topp_sampler.py`` ``random_sample``: ``q.exponential_()``; vllm-ascend 0.23
+    ``sample/sampler.py`` the same), which in-process are the trainer's, and every rank of a rollout TP group must
+    draw the same noise or their samples, and then their batches, part. The trainer's streams need not agree over
+    those ranks (fsdp's data-parallel ranks draw apart; megatron forks its own), and vLLM's draws must not move
+    them. So each generate runs on this stream: seeded with ``seed`` alike on every rank at its first use, then
+    advanced by vLLM's draws alone; the trainer's streams are put back after each call. What it swaps: torch's CPU
+    generator and, off the host, this rank's device generator (one device per rank)."""
+
+    def __init__(self, backend: Backend, seed: int) -> None:
+        self.backend, self.seed = backend, seed
+        self.states: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def _get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        on_device = self.backend.torch_device_type != "cpu"
+        return torch.get_rng_state(), self.backend.module().get_rng_state() if on_device else None
+
+    def _set(self, states: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            self.backend.module().set_rng_state(states[1])
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        trainer = self._get()
+        try:
+            if self.states is None:  # the two generators it swaps, alike on every rank
+                torch.default_generator.manual_seed(self.seed)
+                if self.backend.torch_device_type != "cpu":
+                    self.backend.module().manual_seed(self.seed)  # this rank's device
+            else:
+                self._set(self.states)
+            yield
+        finally:
+            self.states = self._get()
+            self._set(trainer)
+
+
 def _beside_mindspeed(method: Any) -> Any:
     """A method of the engine that calls into vLLM, run under :func:`_lifted`."""
 
@@ -178,8 +221,9 @@ def _beside_mindspeed(method: Any) -> Any:
     return wrapper
 
 
-def _vllm_params(params: SamplingParams, q: Request, final_only: bool = False) -> Any:
-    """vLLM's SamplingParams of one request: its own n, budget and seed (child j draws with seed + j)."""
+def _vllm_params(params: SamplingParams, q: Request, final_only: bool = False, seeded: bool = True) -> Any:
+    """vLLM's SamplingParams of one request: its own n, budget and seed (child j draws with seed + j), or no seed
+    (``rollout.seed_requests`` off: vLLM's batched draw)."""
     from vllm import SamplingParams as VllmSamplingParams
 
     extra = {}
@@ -193,7 +237,7 @@ def _vllm_params(params: SamplingParams, q: Request, final_only: bool = False) -
         top_p=params.top_p,
         top_k=0 if params.top_k == -1 else params.top_k,  # vLLM: 0 = off
         max_tokens=q.max_new_tokens,
-        seed=q.seed,
+        seed=q.seed if seeded else None,
         logprobs=0,  # the sampled token's log-prob only
         detokenize=False,
         **extra,
@@ -219,7 +263,7 @@ class EngineSteps:
             self.llm.llm_engine.add_request(
                 f"gspo-{key}-{self.serial}",
                 {"prompt_token_ids": list(q.prompt_ids)},
-                _vllm_params(self.params, q, True),
+                _vllm_params(self.params, q, True, self.rollout.seeded),
             )
 
     def busy(self) -> bool:
@@ -227,7 +271,7 @@ class EngineSteps:
             return self.llm.llm_engine.has_unfinished_requests()
 
     def step(self) -> list[tuple[int, list[int], list[float], bool, torch.Tensor | None]]:
-        with _lifted():
+        with _lifted(), self.rollout.sampling():
             outputs = self.llm.llm_engine.step()
         done = []
         for out in outputs:
@@ -281,6 +325,9 @@ class VLLMRolloutEngine:
             launcher = external_launcher_env(tp)
             self.env.update(launcher)
             self.tp_rank, self.tp_group = int(launcher["RANK"]) % tp, int(launcher["RANK"]) // tp
+        # unseeded requests draw from the process's generators: in-process, a stream of vLLM's own (SamplerStream)
+        self.seeded = seeded_requests(cfg, self.host_build)
+        self._stream = None if self.seeded or not self.external_launcher else SamplerStream(backend, cfg.trainer.seed)
         self.sleep_supported = False
         self._asleep: list[str] = []  # tags still asleep ("weights", "kv_cache")
         self.last_sync: dict[str, float] = {}
@@ -417,7 +464,8 @@ class VLLMRolloutEngine:
     @_beside_mindspeed
     def generate_requests(self, requests: Sequence[Request], params: SamplingParams) -> SampleBatch:
         """One ``llm.generate`` call, each request with its own ``SamplingParams`` (n, max_tokens, seed: child j of a
-        request draws with seed + j), so a sample does not depend on the requests beside it."""
+        request draws with seed + j), so a sample does not depend on the requests beside it; with
+        ``rollout.seed_requests`` off no seed, and vLLM draws the batch's noise at once (``sampling``)."""
         self._check_request(requests, params)
         if not requests:
             return empty_batch(params.max_new_tokens, self.pad_token_id)
@@ -425,10 +473,15 @@ class VLLMRolloutEngine:
             keys := _raw_differs(params.temperature, params.top_p, params.top_k)
         ):
             self._warn_raw_logprobs(self.logprobs_mode, keys, "see the engine start")
-        per_request = [_vllm_params(params, q) for q in requests]
+        per_request = [_vllm_params(params, q, seeded=self.seeded) for q in requests]
         prompts = [{"prompt_token_ids": list(q.prompt_ids)} for q in requests]
-        outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
+        with self.sampling():
+            outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
         return self._to_batch(requests, outputs, params.max_new_tokens)
+
+    def sampling(self) -> contextlib.AbstractContextManager:
+        """Where vLLM's sampler draws: its own stream for unseeded requests in-process (SamplerStream), else as is."""
+        return contextlib.nullcontext() if self._stream is None else self._stream()
 
     def in_flight(self, params: SamplingParams) -> EngineSteps:
         """Requests added while others run, on this LLM's own engine: multi-turn rollout with every trajectory in

@@ -200,6 +200,24 @@ class TestDense:
         # the n samples of a prompt draw from different seeds: not all identical
         assert any(len({tuple(r) for r in first.response_ids[i * 4 : i * 4 + 4].tolist()}) > 1 for i in range(3))
 
+    def test_unseeded_samples_depend_on_their_batch_and_seeded_ones_do_not(self, engine, path):
+        """rollout.seed_requests (audit 3 finding 6): seeded, the first prompt's samples are the same alone and in a
+        batch of four; unseeded (the engine's setting off the host), vLLM draws the batch's noise at once, so they
+        are not. TP 1: vLLM's engine core is a process of its own, its default generators its own (no stream)."""
+        from gspo_ascend.engines.base import SamplingParams
+
+        prompts = _prompts(path, 4)
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=11)
+        assert engine.seeded and engine._stream is None
+        alone, batch = engine.generate(prompts[:1], params), engine.generate(prompts, params)
+        assert torch.equal(alone.response_ids, batch.response_ids[: params.n])
+        engine.seeded = False
+        try:
+            alone, batch = engine.generate(prompts[:1], params), engine.generate(prompts, params)
+        finally:
+            engine.seeded = True
+        assert not torch.equal(alone.response_ids, batch.response_ids[: params.n])
+
     def test_greedy_continuation_is_the_one_round_response(self, synced, path):
         """Partial rollout's continuation (tests/continuation.py) under frozen weights: token-identical to one
         round, and the continued segment's vLLM log-probs == transformers' at the same weights (TOLERANCE)."""

@@ -66,6 +66,7 @@ def _rank_main(out: Path) -> None:
     start = time.perf_counter()
     after = engine.generate(prompts, params)
     gen_after_s = time.perf_counter() - start
+    unseeded = _unseeded(engine, prompts, params, rank)
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     result = {
@@ -80,6 +81,7 @@ def _rank_main(out: Path) -> None:
         "vllm_tp": (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()),
         "in_process": not engine.llm.llm_engine.engine_core.__class__.__name__.startswith("SyncMP"),
         "rng_kept": rng_kept,
+        **unseeded,
     }
     engine.close()
     total = torch.tensor([rank + 1.0])
@@ -87,6 +89,19 @@ def _rank_main(out: Path) -> None:
     result["world_after_close"] = float(total)
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _unseeded(engine, prompts, params, rank: int) -> dict:
+    """rollout.seed_requests off, as the engine sets it off the host (no per-request seeds; one SamplerStream): the
+    trainer's streams set apart per rank first (as fsdp's data-parallel ranks leave them), two generate calls,
+    then what the trainer's own stream draws next."""
+    from gspo_ascend.device import get_backend
+    from gspo_ascend.engines.vllm_rollout import SamplerStream
+
+    engine.seeded, engine._stream = False, SamplerStream(get_backend("cpu"), 0)
+    torch.manual_seed(100 + rank)
+    first, second = engine.generate(prompts, params), engine.generate(prompts, params)
+    return {"unseeded": (first, second), "trainer_draws": torch.rand(4)}
 
 
 def _free_port() -> int:
@@ -190,6 +205,24 @@ class TestTwoRanks:
         first = ranks[0]["before"].response_ids
         assert len({tuple(r) for r in first[: PARAMS.n].tolist()}) > 1
         assert not torch.equal(first, ranks[0]["after"].response_ids)
+
+    def test_unseeded_ranks_agree_and_the_trainers_stream_is_its_own(self, ranks, _):
+        """rollout.seed_requests off (auto on a GPU / NPU, audit 3 finding 6): vLLM draws unseeded requests' noise
+        from the process's generators, which in-process are the trainer's. With the trainers' streams set apart per
+        rank, both TP ranks still return the same samples (SamplerStream: vLLM's own stream, seeded alike); two
+        calls draw on (not the same noise twice); the trainer's stream continues from its own seed as if vLLM had
+        drawn nothing."""
+        for call in (0, 1):
+            a, b = ranks[0]["unseeded"][call], ranks[1]["unseeded"][call]
+            assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+            assert torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+        first, second = ranks[0]["unseeded"]
+        assert not torch.equal(first.response_ids, second.response_ids)
+        assert not torch.equal(first.response_ids, ranks[0]["after"].response_ids)  # not the seeded samples
+        for rank, result in enumerate(ranks):
+            assert torch.equal(
+                result["trainer_draws"], torch.rand(4, generator=torch.Generator().manual_seed(100 + rank))
+            )
 
     def test_log_probs_match_hf_before_and_after_a_weight_sync(self, ranks, _):
         from gspo_ascend.tiny import ensure_tiny_model

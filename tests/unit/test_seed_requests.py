@@ -1,0 +1,91 @@
+"""rollout.seed_requests (issue #41, audit 3 finding 6): per-request seeds where a sample must not depend on its
+batch, one batched draw where it need not, and vLLM's own sampling stream for the unseeded case in-process.
+
+The real vLLM runs are elsewhere: tests/integration/test_vllm_rollout.py (TP 1: unseeded samples depend on the
+batch, seeded ones do not) and tests/integration/test_vllm_rollout_tp.py (TP 2 in-process: the two ranks agree
+without seeds while the trainers' streams differ). Here: the choice, the refusal, the note, and SamplerStream on
+torch's generators with a stand-in for vLLM's draw (``q.exponential_()`` on the default generator, as vLLM 0.23's
+``random_sample`` and vllm-ascend 0.23's do for requests without a seed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_ascend import config
+from gspo_ascend.config import seeded_requests
+from gspo_ascend.device import get_backend
+from gspo_ascend.engines.vllm_rollout import SamplerStream
+from gspo_ascend.errors import ConfigError
+from gspo_ascend.trainer import unseeded_note
+
+
+def _cfg(*overrides: str):
+    return config.load_config(None, list(overrides))
+
+
+@pytest.mark.parametrize(
+    "mode, on_host, seeded",
+    [("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)],
+)
+def test_auto_seeds_on_the_host_only(mode, on_host, seeded):
+    cfg = _cfg("rollout.engine=vllm", f"rollout.seed_requests={mode}", "rollout.enforce_eager=true")
+    assert seeded_requests(cfg, on_host) is seeded
+
+
+def test_the_key_is_refused_for_the_hf_engine():
+    with pytest.raises(ConfigError, match=r"'rollout.seed_requests' \(off\) is the vllm engine's"):
+        _cfg("rollout.seed_requests=off")
+    assert _cfg("rollout.seed_requests=auto").rollout.seed_requests == "auto"
+
+
+def test_unseeded_requests_are_said_once_where_they_are(capsys):
+    vllm = ("rollout.engine=vllm", "rollout.enforce_eager=true")
+    unseeded_note(_cfg(*vllm), on_host=False)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("note: vLLM's requests are unseeded (rollout.seed_requests auto off the host)")
+    assert "rollout.seed_requests=on" in line
+    for cfg, on_host in ((_cfg(*vllm), True), (_cfg(*vllm, "rollout.seed_requests=on"), False), (_cfg(), False)):
+        unseeded_note(cfg, on_host)
+    assert capsys.readouterr().err == ""
+
+
+def _vllm_draw() -> torch.Tensor:
+    """What vLLM's sampler does for a batch without seeds: exponential noise from the default generator."""
+    return torch.empty(6).exponential_()
+
+
+def test_the_sampler_stream_is_the_same_on_every_rank_and_leaves_the_trainers_alone():
+    """Two "ranks" whose trainer streams differ draw the same noise under their streams (seeded alike), call after
+    call (not the same noise twice); each trainer stream continues as if nothing had drawn from it."""
+    draws, after = [], []
+    for rank in (0, 1):
+        stream = SamplerStream(get_backend("cpu"), seed=7)
+        torch.manual_seed(100 + rank)
+        with stream():
+            first = _vllm_draw()
+        torch.rand(3)  # the trainer draws between two generate calls
+        with stream():
+            second = _vllm_draw()
+        draws.append((first, second))
+        after.append(torch.rand(4))
+    (a1, a2), (b1, b2) = draws
+    assert torch.equal(a1, b1) and torch.equal(a2, b2) and not torch.equal(a1, a2)
+    expected = torch.Generator().manual_seed(7)
+    assert torch.equal(a1, torch.empty(6).exponential_(generator=expected))
+    assert torch.equal(a2, torch.empty(6).exponential_(generator=expected))  # the stream went on from the first
+    for rank in (0, 1):
+        own = torch.Generator().manual_seed(100 + rank)
+        torch.rand(3, generator=own)
+        assert torch.equal(after[rank], torch.rand(4, generator=own))
+
+
+def test_the_trainers_stream_comes_back_when_the_call_fails():
+    stream = SamplerStream(get_backend("cpu"), seed=7)
+    torch.manual_seed(5)
+    expected = torch.Generator().manual_seed(5)
+    with pytest.raises(RuntimeError), stream():
+        _vllm_draw()
+        raise RuntimeError("vLLM failed mid-step")
+    assert torch.equal(torch.rand(2), torch.rand(2, generator=expected))

@@ -171,6 +171,7 @@ def run_case(case: str, batch: SampleBatch, path: str, device: str) -> dict:
     by_key = lambda sample: [recorded[key] for key in routing.sample_keys(sample)]  # noqa: E731
     group = schedules[0][0].sample if len(schedules[0]) == 1 else SampleBatch.concat([m.sample for m in schedules[0]])
     result: dict = {"old": seen.check(schedules[0], rollout if mode == "r3" else by_key, False, mode == "r3")}
+    result["layers"] = list(seen.layers)  # this pipeline stage's MoE layers
     # every token the old forward fed has a route kept (on every rank, gathered over CP)
     fed = [len(p) + int(n) for p, n in zip(group.prompt_ids, group.response_lengths, strict=True)]
     result["kept_lengths"] = ([r.shape[0] for r in by_key(group)], fed)

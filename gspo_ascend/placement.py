@@ -174,10 +174,11 @@ def pool_bundle(
     if have is None:
         if nodes <= 1:
             return dict(bundle), None
-        return dict(bundle), (
-            f"note: this cluster's nodes give no '{name}' resource (the launch scripts give each node its "
-            f"{key} of them), so Ray's PACK decides how many of the {pool} pool's {world} ranks each node holds, "
-            "not the config; a group that spans nodes is still refused"
+        shares = " / ".join(f"'{r}'" for r in POOL_RESOURCES.values())
+        return dict(bundle), (  # the same line for both pools: said once (workers.py)
+            f"note: this cluster's nodes give no {shares} resources (the launch scripts give each node its "
+            f"{' and '.join(POOL_KEYS.values())} of them), so Ray's PACK decides how many of each pool's ranks a "
+            "node holds, not the config; a group that spans nodes is still refused"
         )
     if have < world:
         raise UserError(

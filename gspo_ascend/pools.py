@@ -46,9 +46,10 @@ class DisaggregatedWorkers:
         self.cfg = cfg
         t, pool = cfg.trainer, cfg.rollout_pool
         actors = t.nnodes * t.devices_per_node + pool.nnodes * pool.devices_per_node
-        self.trainer = WorkerGroup(cfg, backend, model_path, rollout=False, actors=actors)
+        self.trainer = WorkerGroup(cfg, backend, model_path, rollout=False, actors=actors, pool="trainer")
         try:
-            self.rollout = WorkerGroup(pool_config(cfg), backend, model_path, train=False, actors=actors)
+            rollout_cfg = pool_config(cfg)
+            self.rollout = WorkerGroup(rollout_cfg, backend, model_path, train=False, actors=actors, pool="rollout")
         except BaseException:
             self.trainer.shutdown()
             raise

@@ -23,7 +23,8 @@ Generation is reproducible by construction: the prompts (after the ``validation.
 subset) are cut into chunks of ``validation.batch_size``, and chunk j is one ``generate`` call seeded
 ``f(trainer.seed, j)``. A chunk's samples depend only on the weights, its prompts and its seed, not on which
 worker ran it or how many there were, so ``gspo-ascend eval`` on one device and the trainer's Ray workers give the
-same responses for the same checkpoint.
+same responses for the same checkpoint. On vLLM that holds with ``rollout.seed_requests`` on (auto: on the host);
+off (auto on a GPU / NPU) a sampled response also depends on the requests beside it, while greedy ones do not.
 
 How we differ from verl (``RayPPOTrainer._validate``, ``process_validation_metrics``): verl estimates best@k
 and maj@k by 1000 bootstrap resamples of size k (seeded, with replacement, ties to the first answer seen); here

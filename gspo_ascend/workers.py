@@ -302,6 +302,9 @@ def _init_ray(backend, world_size: int) -> None:
     )
 
 
+_SAID: set[str] = set()  # the driver's placement notes already printed
+
+
 def actor_resources(bundle: dict[str, float]) -> dict[str, Any]:
     """Ray actor options asking for one placement bundle. CPU and GPU are Ray's own resources, which it accepts only
     as ``num_cpus`` / ``num_gpus`` (in ``resources`` it raises "Use the 'num_cpus' and 'num_gpus' keyword instead");
@@ -317,11 +320,20 @@ class WorkerGroup:
     """Driver-side handle on the ``world_size`` actors; methods mirror :class:`PolicyWorker`'s phases."""
 
     def __init__(
-        self, cfg: Config, backend, model_path: str, *, train: bool = True, rollout: bool = True, actors: int = 0
+        self,
+        cfg: Config,
+        backend,
+        model_path: str,
+        *,
+        train: bool = True,
+        rollout: bool = True,
+        actors: int = 0,
+        pool: str | None = None,
     ):
         """``cfg.trainer.nnodes x devices_per_node`` actors with the engines asked for (a pool of a disaggregated
         run gets a config whose trainer layout is its own: pools.py); ``actors``: all the run's actors, when
-        other pools share the machines (0 = these alone), so CPU threads are split among all of them."""
+        other pools share the machines (0 = these alone), so CPU threads are split among all of them; ``pool``:
+        which pool of a disaggregated run this is ("trainer", "rollout"; None: none, as `gspo-ascend eval`)."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -342,11 +354,11 @@ class WorkerGroup:
         threads = (cfg.trainer.cpu_threads or max(1, cpus // actors)) if on_cpu else 1
         bundle = {"CPU": threads} if backend.ray_resource is None else {"CPU": 1, backend.ray_resource: 1}
         # a pool of a disaggregated run asks for its node's share of that pool (placement.py, scripts/lib/ray.sh)
-        if not (train and rollout):
+        if pool is not None:
             alive = sum(1 for n in ray.nodes() if n.get("Alive"))
-            pool = "trainer" if train else "rollout"
             bundle, note = pool_bundle(bundle, pool, ray.cluster_resources(), self.world_size, alive)
-            if note:
+            if note and note not in _SAID:  # both pools find the same cluster: one line
+                _SAID.add(note)
                 print(note, file=sys.stderr, flush=True)
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         if not _wait_ready(self.pg, timeout_s=120):

@@ -166,7 +166,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 = disabled
     max_new_tokens: int = 64
-    seed: int = 0  # generation is a pure function of (weights, prompts, params, seed)
+    seed: int = 0  # generation is a pure function of (weights, prompts, params, seed); vLLM: rollout.seed_requests
 
 
 @dataclass(frozen=True)

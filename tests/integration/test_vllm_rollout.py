@@ -200,10 +200,12 @@ class TestDense:
         # the n samples of a prompt draw from different seeds: not all identical
         assert any(len({tuple(r) for r in first.response_ids[i * 4 : i * 4 + 4].tolist()}) > 1 for i in range(3))
 
-    def test_unseeded_samples_depend_on_their_batch_and_seeded_ones_do_not(self, engine, path):
+    def test_seeded_samples_do_not_depend_on_their_batch_and_unseeded_ones_are_not_reproduced(self, engine, path):
         """rollout.seed_requests (audit 3 finding 6): seeded, the first prompt's samples are the same alone and in a
-        batch of four; unseeded (the engine's setting off the host), vLLM draws the batch's noise at once, so they
-        are not. TP 1: vLLM's engine core is a process of its own, its default generators its own (no stream)."""
+        batch of four; unseeded (the engine's setting off the host) they come from the engine's own stream, which has
+        moved on by the second call (so this shows them unseeded, not, by itself, their batch-dependence: that is
+        vLLM's random_sample, one draw over the batch). TP 1: vLLM's engine core is a process of its own, its default
+        generators its own (no stream)."""
         from gspo_ascend.engines.base import SamplingParams
 
         prompts = _prompts(path, 4)

@@ -197,8 +197,9 @@ def test_a_pools_bundle_asks_for_its_node_share_where_the_nodes_give_it():
     # nodes started without the shares: placement as before, said once where there are several nodes
     bare = {"CPU": 384.0, "NPU": 16.0}
     bundle, note = pool_bundle(npu, "trainer", bare, 12, 2)
-    assert bundle == npu and note.startswith("note: this cluster's nodes give no 'gspo_trainer_pool' resource")
-    assert "trainer.devices_per_node" in note and "PACK decides" in note
+    assert bundle == npu and note.startswith("note: this cluster's nodes give no 'gspo_trainer_pool' / ")
+    assert "trainer.devices_per_node and rollout_pool.devices_per_node" in note and "PACK decides" in note
+    assert pool_bundle(npu, "rollout", bare, 4, 2) == (npu, note)  # one line for both pools (printed once)
     assert pool_bundle(npu, "rollout", bare, 4, 1) == (npu, None)  # one node: its split is the config's
     # too few shares (a node started with other DEVICES_PER_NODE): one line now, not Ray's 120 s wait
     with pytest.raises(UserError, match=r"give 8 'gspo_trainer_pool' in all and the trainer pool needs 12"):

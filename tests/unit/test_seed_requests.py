@@ -16,7 +16,9 @@ import torch
 from gspo_ascend import config
 from gspo_ascend.config import seeded_requests
 from gspo_ascend.device import get_backend
-from gspo_ascend.engines.vllm_rollout import SamplerStream
+from gspo_ascend.engines.base import SamplingParams
+from gspo_ascend.engines.rollout_shards import split_rollout_prompts
+from gspo_ascend.engines.vllm_rollout import SamplerStream, sampling_seed
 from gspo_ascend.errors import ConfigError
 from gspo_ascend.trainer import unseeded_note
 
@@ -89,3 +91,19 @@ def test_the_trainers_stream_comes_back_when_the_call_fails():
         _vllm_draw()
         raise RuntimeError("vLLM failed mid-step")
     assert torch.equal(torch.rand(2), torch.rand(2, generator=expected))
+
+
+def test_each_rollout_group_samples_from_a_stream_of_its_own_when_unseeded():
+    """Unseeded, every engine seeded alike would give the k-th row of every rollout group the same noise, coupling
+    their samples: group g's stream starts where the dispatch puts group g's seeds (seed + 7919 g). Seeded, the
+    engine keeps trainer.seed (its stream then feeds no sample: seeded runs are as before, bitwise)."""
+    shares = split_rollout_prompts([[1], [2], [3], [4]], SamplingParams(n=1, seed=0), world_size=4, tp=2)
+    dispatched = [params.seed for _, params in shares[::2]]  # group 0 (ranks 0, 1), group 1 (ranks 2, 3)
+    assert [sampling_seed(0, False, g) for g in (0, 1)] == dispatched == [0, 7919]
+    assert {sampling_seed(5, True, g) for g in range(4)} == {5}
+    streams = [SamplerStream(get_backend("cpu"), sampling_seed(5, False, g)) for g in (0, 1)]
+    noise = []
+    for stream in streams:
+        with stream():
+            noise.append(_vllm_draw())
+    assert not torch.equal(*noise)

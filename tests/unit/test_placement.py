@@ -268,6 +268,31 @@ def _worker_group(monkeypatch, tmp_path, bundle_nodes, **overrides):
         return exc, scheduled
 
 
+@pytest.mark.parametrize("pool", ["rollout", None])
+def test_a_pool_asks_for_its_share_and_eval_asks_for_none(monkeypatch, tmp_path, pool):
+    """On nodes the disaggregated launcher started (both shares on each), a rollout pool's bundles ask for one
+    'gspo_rollout_pool' each; `gspo-ascend eval --ray` (WorkerGroup(train=False), no pool) asks for none: the
+    first version of this change took every train=False group for the rollout pool, so eval on 2 x 8 devices
+    stopped with "the rollout pool needs 16"."""
+    from gspo_ascend.device import CPU
+    from gspo_ascend.workers import WorkerGroup
+
+    scheduled: list = []
+    modules = _fake_ray({b: (A, B)[b // 2] for b in range(4)}, scheduled)
+    modules["ray"].cluster_resources = lambda: {"CPU": 8.0, "gspo_trainer_pool": 2.0, "gspo_rollout_pool": 2.0}
+    modules["ray"].nodes = lambda: [{"Alive": True}, {"Alive": True}]
+    asked: list = []
+    ready = SimpleNamespace(ready=lambda: "ready")
+    modules["ray.util.placement_group"].placement_group = lambda bundles, strategy: asked.append(bundles) or ready
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    world = 2 if pool else 4  # eval: every device of the cluster
+    cfg = _cfg(**{"trainer.output_dir": str(tmp_path), "trainer.nnodes": 2, "trainer.devices_per_node": world // 2})
+    WorkerGroup(cfg, CPU, str(tmp_path), train=False, pool=pool)
+    share = {"gspo_rollout_pool": 1} if pool else {}
+    assert asked == [[{"CPU": 8 // world, **share}] * world]  # the fake cluster's 8 CPUs over the actors
+
+
 def test_worker_group_numbers_ranks_node_by_node(monkeypatch, tmp_path, capsys):
     """Interleaved bundles, megatron TP 2 on 2 x 4: rank r runs in a bundle of node A for r < 4 (on the old main,
     rank r ran in bundle r and its TP groups spanned both nodes)."""

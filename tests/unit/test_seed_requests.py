@@ -107,3 +107,12 @@ def test_each_rollout_group_samples_from_a_stream_of_its_own_when_unseeded():
         with stream():
             noise.append(_vllm_draw())
     assert not torch.equal(*noise)
+
+
+def test_the_selftests_vllm_check_seeds_its_requests_on_every_device():
+    """The selftest regenerates a seeded request after sleep / wake_up and wants the same samples: off the host
+    auto would leave it unseeded, and the check would fail on every GPU / NPU (found by the review)."""
+    from gspo_ascend.selftest.rollout import _VLLM_OVERRIDES
+
+    cfg = config.load_config(None, ["rollout.engine=vllm", *_VLLM_OVERRIDES])
+    assert seeded_requests(cfg, on_host=False) and seeded_requests(cfg, on_host=True)

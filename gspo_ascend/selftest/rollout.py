@@ -38,6 +38,7 @@ HOST_BOUND, DEVICE_BOUND = 1e-4, 1e-3
 FIX = "docs/troubleshooting.md#selftest-rollout: VLLM_ASCEND_ENABLE_NZ=0, vLLM pins (`gspo-ascend doctor`)"
 PARAMS = {"n": 2, "temperature": 0.8, "max_new_tokens": 16, "seed": 3}
 _VLLM_OVERRIDES = [
+    "rollout.engine=vllm",  # the keys below are the vllm engine's (rollout.seed_requests is refused with hf)
     "rollout.enforce_eager=true",  # graph capture would add minutes to the start of a 2-minute check
     "data.max_prompt_length=64",
     "data.max_response_length=32",

@@ -106,6 +106,7 @@ def test_vllm_engine_hands_the_graph_keys_to_vllm(monkeypatch):
     engine = vllm_rollout.VLLMRolloutEngine.__new__(vllm_rollout.VLLMRolloutEngine)
     engine.cfg, engine.backend, engine.host_build, engine.external_launcher = cfg, get_backend("cpu"), True, False
     engine.max_model_len, engine.route_dtype = 256, None  # a dense model: no routes asked for
+    engine.sampling_seed = 0  # __init__'s (rollout.seed_requests)
     vllm_rollout.VLLMRolloutEngine._build_llm.__wrapped__(engine, "unused")
     assert seen["enforce_eager"] is False
     assert seen["compilation_config"] == {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [4]}

@@ -389,6 +389,7 @@ def test_vllm_is_asked_for_routes_on_an_moe_model(monkeypatch):
     engine = vllm_rollout.VLLMRolloutEngine.__new__(vllm_rollout.VLLMRolloutEngine)
     engine.cfg, engine.backend, engine.host_build, engine.external_launcher = engine_config(), CPU, False, False
     engine.max_model_len, engine.route_dtype = 256, torch.uint8  # what _route_dtype says for an MoE on a device
+    engine.sampling_seed = 0  # __init__'s (rollout.seed_requests)
     vllm_rollout.VLLMRolloutEngine._build_llm.__wrapped__(engine, "unused")
     assert seen["enable_return_routed_experts"] is True
     seen.clear()

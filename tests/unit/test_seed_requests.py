@@ -114,5 +114,5 @@ def test_the_selftests_vllm_check_seeds_its_requests_on_every_device():
     auto would leave it unseeded, and the check would fail on every GPU / NPU (found by the review)."""
     from gspo_ascend.selftest.rollout import _VLLM_OVERRIDES
 
-    cfg = config.load_config(None, ["rollout.engine=vllm", *_VLLM_OVERRIDES])
+    cfg = config.load_config(None, _VLLM_OVERRIDES)  # as the check loads it (validated: an hf config would refuse)
     assert seeded_requests(cfg, on_host=False) and seeded_requests(cfg, on_host=True)

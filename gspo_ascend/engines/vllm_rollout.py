@@ -158,16 +158,25 @@ def _rng_kept(backend: Backend) -> Iterator[None]:
 
     import numpy as np
 
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    device = backend.module().get_rng_state() if backend.torch_device_type != "cpu" else None
+    states, torch_states = (random.getstate(), np.random.get_state()), _torch_rng(backend)
     try:
         yield
     finally:
         random.setstate(states[0])
         np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if device is not None:
-            backend.module().set_rng_state(device)
+        _set_torch_rng(backend, torch_states)
+
+
+def _torch_rng(backend: Backend) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's CPU generator state and, off the host, this rank's device generator's (one device per rank)."""
+    on_device = backend.torch_device_type != "cpu"
+    return torch.get_rng_state(), backend.module().get_rng_state() if on_device else None
+
+
+def _set_torch_rng(backend: Backend, states: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        backend.module().set_rng_state(states[1])
 
 
 def sampling_seed(seed: int, seeded: bool, group: int) -> int:
@@ -191,36 +200,27 @@ class SamplerStream:
     draw the same noise or their samples, and then their batches, part. The trainer's streams need not agree over
     those ranks (fsdp's data-parallel ranks draw apart; megatron forks its own), and vLLM's draws must not move
     them. So each generate runs on this stream: seeded with ``seed`` alike on every rank at its first use, then
-    advanced by vLLM's draws alone; the trainer's streams are put back after each call. What it swaps: torch's CPU
-    generator and, off the host, this rank's device generator (one device per rank)."""
+    advanced by vLLM's draws alone; the trainer's streams are put back after each call. What it swaps: the torch
+    generators :func:`_rng_kept` keeps (:func:`_torch_rng`)."""
 
     def __init__(self, backend: Backend, seed: int) -> None:
         self.backend, self.seed = backend, seed
         self.states: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def _get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        on_device = self.backend.torch_device_type != "cpu"
-        return torch.get_rng_state(), self.backend.module().get_rng_state() if on_device else None
-
-    def _set(self, states: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        torch.set_rng_state(states[0])
-        if states[1] is not None:
-            self.backend.module().set_rng_state(states[1])
-
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
-        trainer = self._get()
+        trainer = _torch_rng(self.backend)
         try:
             if self.states is None:  # the two generators it swaps, alike on every rank
                 torch.default_generator.manual_seed(self.seed)
                 if self.backend.torch_device_type != "cpu":
                     self.backend.module().manual_seed(self.seed)  # this rank's device
             else:
-                self._set(self.states)
+                _set_torch_rng(self.backend, self.states)
             yield
         finally:
-            self.states = self._get()
-            self._set(trainer)
+            self.states = _torch_rng(self.backend)
+            _set_torch_rng(self.backend, trainer)
 
 
 def _beside_mindspeed(method: Any) -> Any:

@@ -24,10 +24,12 @@ there (RouterReplay pops the targets of the micro-batches in the order they were
 backwards run in every schedule), ``REPLAY_FORWARD`` otherwise; the own-choice wrapper skips those re-runs.
 
 A token without a route (padding, a packed row's padding sequence, the rollout's last sampled token, a dummy pass)
-gets the filler experts 0..k-1: megatron's replay needs a target for every row, and no loss reads those rows'
+gets filler experts (:func:`filler`): megatron's replay needs a target for every row, and no loss reads those rows'
 outputs (padding and a sample's last token come after every position the loss reads, under a causal mask; mbridge's
-Qwen-MoE has no capacity limit and no load-balancing loss that would couple tokens). The agreement counts leave
-those rows out.
+Qwen-MoE has no capacity limit and no load-balancing loss that would couple tokens). The filler goes round the
+EP ranks and their experts (row i's j-th: the (i k + j)-th of the order rank 0's first, rank 1's first, ...), not the
+same 0..k-1 for every row: under EP those would all be sent to the rank holding experts 0..k-1 (a padded
+micro-batch's padding, CP's among them, is up to half its rows). The agreement counts leave those rows out.
 
 Parallelism. PP: a stage's routers are its layers (the MoE layer ordinal from the router's global layer number);
 SP: a router sees its TP rank's contiguous ``1 / tp`` of the rows; CP: this rank's zigzag positions (the micro-batch's
@@ -145,17 +147,29 @@ def local_rows(rows: torch.Tensor, tp: int, tp_rank: int, sp: bool) -> torch.Ten
     return rows
 
 
+def filler(rows: int, k: int, experts: int, ep: int) -> torch.Tensor:
+    """``[rows, k]`` int64 targets for rows without a route (module docstring): slot t = i k + j takes EP rank
+    ``t mod ep``'s ``(t // ep) mod (experts / ep)``-th expert (megatron gives each EP rank a contiguous
+    ``experts / ep``). k distinct experts a row (k <= experts: a bijection of t mod experts), and every expert, so
+    every EP rank, the same number of slots within one."""
+    t = torch.arange(rows).unsqueeze(1) * k + torch.arange(k)
+    local = experts // ep
+    return (t % ep) * local + (t // ep) % local
+
+
 def place(
     routes: Sequence[torch.Tensor | None] | None,
     samples: torch.Tensor,
     positions: torch.Tensor,
     layers: Sequence[int],
     k: int,
+    experts: int,
+    ep: int = 1,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per MoE layer in ``layers`` the ``[rows, k]`` int64 targets of a micro-batch's rows (row i: position
     ``positions[i]`` of sample ``samples[i]``; ``routes[j]`` is sample j's ``[tokens, all layers, k]``), and which
-    rows have a route. Rows without one get the filler 0..k-1 (module docstring)."""
-    block = torch.arange(k).expand(len(samples), len(layers), k).clone()
+    rows have a route. Rows without one get :func:`filler`'s (module docstring)."""
+    block = filler(len(samples), k, experts, ep).unsqueeze(1).expand(len(samples), len(layers), k).clone()
     given = torch.zeros(len(samples), dtype=torch.bool)
     for j, r in enumerate(routes or []):
         if r is None:
@@ -224,6 +238,7 @@ class MegatronRouting:
 
         ordinal = {number: i for i, number in enumerate(moe_layer_numbers(tconfig))}
         self.book, self.k, self.experts = book, int(tconfig.moe_router_topk), int(tconfig.num_moe_experts)
+        self.ep = int(getattr(tconfig, "expert_model_parallel_size", 1) or 1)  # the filler's spread (filler)
         self.routers = [m for model in models for m in model.modules() if isinstance(m, TopKRouter)]
         self.layers = [ordinal[r.layer_number] for r in self.routers]  # this stage's MoE layers
         self.tp, self.tp_rank, self.cp = parallel
@@ -286,7 +301,7 @@ class MegatronRouting:
     def _rows(self, micro, routes, device) -> tuple[list[torch.Tensor], torch.Tensor]:
         """:func:`place`'s targets and mask, built on the host and uploaded without a wait (issue #43)."""
         where = self._where(micro)
-        targets, given = place(routes, where[:, 0], where[:, 1], self.layers, self.k)
+        targets, given = place(routes, where[:, 0], where[:, 1], self.layers, self.k, self.experts, self.ep)
         return [upload(t, device) for t in targets], upload(given, device)
 
     @contextlib.contextmanager

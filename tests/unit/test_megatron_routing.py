@@ -29,7 +29,7 @@ from gspo_ascend.errors import ConfigError
 
 CPU = get_backend("cpu")
 PROMPTS = [[5, 17, 33, 9], [41, 7], [100, 3, 250, 61, 8, 12], [77]]
-K = 2  # the tiny MoE's experts per token (of 4), in 2 MoE layers
+K, E = 2, 4  # the tiny MoE's experts per token and experts, in 2 MoE layers
 BASE = [
     "actor.engine=megatron",
     "data.train_batch_size=8",
@@ -85,12 +85,14 @@ class Dispatched:
                     self.layers.append(module.layer_number - 1)  # every layer of the tiny model is MoE
                     self._wrap(module.token_dispatcher, self.layers[-1])
                     module.router.register_forward_hook(self._gates)
+                    self.ep = module.config.expert_model_parallel_size
 
     def _wrap(self, dispatcher, layer: int) -> None:
         original = dispatcher.dispatch_preprocess
 
         def dispatch_preprocess(hidden, routing_map, probs):
             used = routing_map.float().topk(K, -1).indices.sort(-1).values  # every row routes to exactly K
+            self.experts = routing_map.shape[-1]
             self.calls.append((layer, torch._C._current_graph_task_id() != -1, used))
             return original(hidden, routing_map, probs)
 
@@ -108,8 +110,8 @@ class Dispatched:
         self.rows += own.shape[0]
 
     def check(self, micros, routes_of, backward: bool, replayed: bool = True) -> dict[str, int]:
-        """Row by row (:func:`rows_of`): the experts used == the sample's routes where it has one, the filler 0..k-1
-        elsewhere (where the forward replayed)."""
+        """Row by row (:func:`rows_of`): the experts used == the sample's routes where it has one, the filler
+        elsewhere (where the forward replayed): row i's slots i K + j, each on its EP rank (:func:`spread_slot`)."""
         out = {"checked": 0, "mismatched": 0, "filler_checked": 0, "filler_mismatched": 0, "calls": 0}
         for layer in self.layers:
             calls = [used for lay, bw, used in self.calls if lay == layer and bw == backward]
@@ -131,8 +133,21 @@ class Dispatched:
                     filler |= (samples == j) & ~here
                 if replayed:
                     out["filler_checked"] += int(filler.sum())
-                    out["filler_mismatched"] += int((used[filler] != torch.arange(K)).any(-1).sum())
+                    spread = [
+                        sorted(spread_slot(i * K + j, self.experts, self.ep) for j in range(K))
+                        for i in range(len(used))
+                    ]
+                    want = torch.tensor(spread)[filler]
+                    out["filler_mismatched"] += int((used[filler] != want).any(-1).sum())
         return out
+
+
+def spread_slot(t: int, experts: int, ep: int) -> int:
+    """The filler's expert of slot t, written out: EP ranks in turn (t mod ep), each rank's contiguous experts in
+    turn (megatron's layout: rank r holds experts r E / ep .. (r + 1) E / ep - 1)."""
+    per_rank = experts // ep
+    rank, turn = t % ep, t // ep
+    return rank * per_rank + turn % per_rank
 
 
 def rows_of(micro, sp_part: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,7 +298,7 @@ def assert_exact(found: dict, filler: bool | None = True) -> None:
 @worker_test
 def test_r3_every_forward_and_recompute_uses_the_rollouts_routes(results):
     """compute_log_probs, the update's forwards and their recompute in backward (actor.recompute=full) use the hf
-    rollout's experts at every token it routed, in every layer; the filler 0..k-1 at the last token and padding."""
+    rollout's experts at every token it routed, in every layer; the filler at the last token and padding."""
     r3 = results["r3"]
     for phase in ("old", "update", "update_backward"):
         assert_exact(r3[phase])
@@ -389,6 +404,21 @@ def test_routers_whose_own_choice_is_not_the_top_k_of_their_logits_are_named():
     assert "fused" in mr.own_choice_problem(SimpleNamespace(moe_router_fusion=True))
 
 
+@pytest.mark.parametrize(("rows", "k", "experts", "ep"), [(37, 2, 4, 2), (100, 8, 128, 8), (5, 3, 3, 1)])
+def test_rows_without_a_route_are_spread_over_every_ep_rank(rows, k, experts, ep):
+    """A padded micro-batch's padding rows (no routes at all here): each row k distinct experts, each expert given
+    rows * k / experts of them within one, and each EP rank (experts / ep contiguous experts, megatron's layout)
+    rows * k / ep within one. Before, every such row took experts 0..k-1: EP rank 0 took all rows * k."""
+    samples, positions = torch.full((rows,), -1), torch.zeros(rows, dtype=torch.long)
+    (targets,), given = mr.place(None, samples, positions, [0], k, experts, ep)
+    assert not given.any() and targets.shape == (rows, k) and targets.dtype == torch.long
+    assert all(len(set(row.tolist())) == k for row in targets)
+    per_expert = torch.bincount(targets.flatten(), minlength=experts)
+    assert per_expert.max() - per_expert.min() <= 1 and per_expert.sum() == rows * k
+    per_rank = per_expert.reshape(ep, experts // ep).sum(1)
+    assert per_rank.max() - per_rank.min() <= 1, per_rank
+
+
 @pytest.mark.parametrize(
     ("tp", "cp", "packed"), [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (1, 1, True), (2, 1, True)]
 )
@@ -417,9 +447,10 @@ def test_rows_placed_for_every_ranks_part_assemble_back_to_the_routes(tp, cp, pa
         for t in range(tp):
             mine = mr.local_rows(torch.stack((samples, positions), 1), tp, t, sp=tp > 1)
             assert len(mine) == len(samples) // tp
-            targets, given = mr.place(routes, mine[:, 0], mine[:, 1], [0, 2], K)  # a stage holding layers 0 and 2
+            targets, given = mr.place(routes, mine[:, 0], mine[:, 1], [0, 2], K, E)  # a stage holding layers 0 and 2
             assert targets[0].shape == (len(mine), K)
-            assert torch.equal(targets[1][~given], torch.arange(K).expand(int((~given).sum()), K))
+            spread = torch.tensor([[spread_slot(i * K + j, E, 1) for j in range(K)] for i in range(len(mine))])
+            assert torch.equal(targets[1][~given], spread[~given])
             rows.append(torch.stack(targets, 1))
             where.append(mine)
     where = torch.cat(where)

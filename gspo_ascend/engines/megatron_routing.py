@@ -238,7 +238,7 @@ class MegatronRouting:
 
         ordinal = {number: i for i, number in enumerate(moe_layer_numbers(tconfig))}
         self.book, self.k, self.experts = book, int(tconfig.moe_router_topk), int(tconfig.num_moe_experts)
-        self.ep = int(getattr(tconfig, "expert_model_parallel_size", 1) or 1)  # the filler's spread (filler)
+        self.ep = int(tconfig.expert_model_parallel_size)  # the filler's spread (filler)
         self.routers = [m for model in models for m in model.modules() if isinstance(m, TopKRouter)]
         self.layers = [ordinal[r.layer_number] for r in self.routers]  # this stage's MoE layers
         self.tp, self.tp_rank, self.cp = parallel

@@ -85,14 +85,13 @@ class Dispatched:
                     self.layers.append(module.layer_number - 1)  # every layer of the tiny model is MoE
                     self._wrap(module.token_dispatcher, self.layers[-1])
                     module.router.register_forward_hook(self._gates)
-                    self.ep = module.config.expert_model_parallel_size
+                    self.ep, self.experts = module.config.expert_model_parallel_size, module.config.num_moe_experts
 
     def _wrap(self, dispatcher, layer: int) -> None:
         original = dispatcher.dispatch_preprocess
 
         def dispatch_preprocess(hidden, routing_map, probs):
             used = routing_map.float().topk(K, -1).indices.sort(-1).values  # every row routes to exactly K
-            self.experts = routing_map.shape[-1]
             self.calls.append((layer, torch._C._current_graph_task_id() != -1, used))
             return original(hidden, routing_map, probs)
 
@@ -133,11 +132,9 @@ class Dispatched:
                     filler |= (samples == j) & ~here
                 if replayed:
                     out["filler_checked"] += int(filler.sum())
-                    spread = [
-                        sorted(spread_slot(i * K + j, self.experts, self.ep) for j in range(K))
-                        for i in range(len(used))
-                    ]
-                    want = torch.tensor(spread)[filler]
+                    rows = filler.nonzero().flatten().tolist()  # the filler's rows only: slots i K + j
+                    spread = [sorted(spread_slot(i * K + j, self.experts, self.ep) for j in range(K)) for i in rows]
+                    want = torch.tensor(spread, dtype=used.dtype).reshape(len(rows), K)
                     out["filler_mismatched"] += int((used[filler] != want).any(-1).sum())
         return out
 

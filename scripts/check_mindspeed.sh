@@ -55,7 +55,6 @@ self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # the stamp hashes this 
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 BRANCH=${MINDSPEED_BRANCH:-core_r0.16.0}
-UV_VERSION=0.13.9
 rebuild=0
 all=0
 prepare=0
@@ -132,17 +131,10 @@ PINS=(
 [[ "$BRANCH" != core_r0.16.0 ]] || PINS+=("$(pin torchvision requirements-npu.txt)")
 for p in "${PINS[@]}"; do [[ -n "$p" ]] || exit 1; done  # pin() failed inside $(...): its message is above
 
-# uv, once per machine, in its own small venv (its bin/uv is a self-contained binary); built aside and moved into
-# place whole, so two first runs at once each end with a complete one
-UV="$CACHE/uv-$UV_VERSION/bin/uv"
-if [[ ! -x "$UV" ]]; then
-  mkdir -p "$CACHE"
-  tmp="$CACHE/.uv-$UV_VERSION.tmp-$$"
-  "$PY" -m venv "$tmp"
-  "$tmp/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)  # this machine's empty file:// indexes
-  mv -T "$tmp" "$CACHE/uv-$UV_VERSION" 2>/dev/null || rm -rf "$tmp"
-fi
+# uv, once per machine (scripts/lib/uv.sh, shared with scripts/setup.sh)
+# shellcheck source-path=SCRIPTDIR source=lib/uv.sh
+source scripts/lib/uv.sh
+UV=$(uv_bin "$PY") || { echo "check_mindspeed: uv $UV_VERSION could not be installed from PyPI" >&2; exit 1; }
 export UV_CACHE_DIR="$CACHE/uv" UV_NO_PROGRESS=1
 uv_pip() { "$UV" pip "$1" --python "$VENV/bin/python" --quiet "${@:2}"; }
 

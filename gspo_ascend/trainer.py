@@ -263,9 +263,9 @@ def unseeded_note(cfg: Config, on_host: bool) -> None:
     why = "off" if cfg.rollout.seed_requests == "off" else "auto off the host"
     print(
         f"note: vLLM's requests are unseeded (rollout.seed_requests {why}): its sampler draws every sequence's noise "
-        "in one call per decode step, so a sample depends on the requests beside it and a resumed run does not "
-        "repeat the uninterrupted one's samples; rollout.seed_requests=on seeds each (one RNG kernel per sequence "
-        "per step)",
+        "in one call per decode step, so a sample depends on the requests beside it and, at rollout TP 1, on their "
+        "timing (a resumed run repeats its samples only in-process, TP > 1, where each call starts from its own "
+        "seed); rollout.seed_requests=on seeds each request (one RNG kernel per sequence per step)",
         file=sys.stderr,
         flush=True,
     )

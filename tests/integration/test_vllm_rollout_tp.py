@@ -15,6 +15,7 @@ output the driver keeps) and the launcher environment, against hand-derived valu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import socket
@@ -100,8 +101,9 @@ def _unseeded(engine, prompts, params, rank: int) -> dict:
 
     engine.seeded, engine._stream = False, SamplerStream(get_backend("cpu"), 0)
     torch.manual_seed(100 + rank)
-    first, second = engine.generate(prompts, params), engine.generate(prompts, params)
-    return {"unseeded": (first, second), "trainer_draws": torch.rand(4)}
+    first, other = engine.generate(prompts, params), engine.generate(prompts, dataclasses.replace(params, seed=99))
+    again = engine.generate(prompts, params)
+    return {"unseeded": (first, other, again), "trainer_draws": torch.rand(4)}
 
 
 def _free_port() -> int:
@@ -209,15 +211,18 @@ class TestTwoRanks:
     def test_unseeded_ranks_agree_and_the_trainers_stream_is_its_own(self, ranks, _):
         """rollout.seed_requests off (auto on a GPU / NPU, audit 3 finding 6): vLLM draws unseeded requests' noise
         from the process's generators, which in-process are the trainer's. With the trainers' streams set apart per
-        rank, both TP ranks still return the same samples (SamplerStream: vLLM's own stream, seeded alike); two
-        calls draw on (not the same noise twice); the trainer's stream continues from its own seed as if vLLM had
-        drawn nothing."""
-        for call in (0, 1):
+        rank, both TP ranks still return the same samples (SamplerStream: vLLM's own stream, seeded alike); each
+        call starts it at the call's seed, so another seed draws other noise and the first call made again after it
+        is the same batch, bitwise (what a resumed run's call needs); the trainer's stream continues from its own
+        seed as if vLLM had drawn nothing."""
+        for call in (0, 1, 2):
             a, b = ranks[0]["unseeded"][call], ranks[1]["unseeded"][call]
             assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
             assert torch.equal(a.rollout_log_probs, b.rollout_log_probs)
-        first, second = ranks[0]["unseeded"]
-        assert not torch.equal(first.response_ids, second.response_ids)
+        first, other, again = ranks[0]["unseeded"]
+        assert not torch.equal(first.response_ids, other.response_ids)
+        assert torch.equal(first.response_ids, again.response_ids)
+        assert torch.equal(first.rollout_log_probs, again.rollout_log_probs)
         assert not torch.equal(first.response_ids, ranks[0]["after"].response_ids)  # not the seeded samples
         for rank, result in enumerate(ranks):
             assert torch.equal(

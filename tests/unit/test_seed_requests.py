@@ -3,9 +3,10 @@ batch, one batched draw where it need not, and vLLM's own sampling stream for th
 
 The real vLLM runs are elsewhere: tests/integration/test_vllm_rollout.py (TP 1: unseeded samples depend on the
 batch, seeded ones do not) and tests/integration/test_vllm_rollout_tp.py (TP 2 in-process: the two ranks agree
-without seeds while the trainers' streams differ). Here: the choice, the refusal, the note, and SamplerStream on
-torch's generators with a stand-in for vLLM's draw (``q.exponential_()`` on the default generator, as vLLM 0.23's
-``random_sample`` and vllm-ascend 0.23's do for requests without a seed).
+without seeds while the trainers' streams differ, and an unseeded call made again after another is the same
+batch). Here: the choice, the refusal, the note, and SamplerStream on torch's generators with a stand-in for vLLM's
+draw (``q.exponential_()`` on the default generator, as vLLM 0.23's ``random_sample`` and vllm-ascend 0.23's do for
+requests without a seed).
 """
 
 from __future__ import annotations
@@ -91,6 +92,39 @@ def test_the_trainers_stream_comes_back_when_the_call_fails():
         _vllm_draw()
         raise RuntimeError("vLLM failed mid-step")
     assert torch.equal(torch.rand(2), torch.rand(2, generator=expected))
+
+
+def test_a_reseeded_stream_starts_again_and_goes_on_within_the_call():
+    """reseed(seed): the next use starts at ``seed`` whatever the stream drew before (each generate call and each
+    in-flight session reseeds it with its own seed); within one call's uses (an in-flight session's engine steps)
+    it goes on."""
+    stream = SamplerStream(get_backend("cpu"), seed=7)
+    with stream():
+        _vllm_draw()  # an earlier call
+    stream.reseed(11)
+    with stream():
+        first = _vllm_draw()
+    with stream():
+        second = _vllm_draw()
+    expected = torch.Generator().manual_seed(11)
+    assert torch.equal(first, torch.empty(6).exponential_(generator=expected))
+    assert torch.equal(second, torch.empty(6).exponential_(generator=expected))
+
+
+def test_each_call_reseeds_the_in_process_stream_and_nothing_else():
+    """Unseeded in-process (rollout TP > 1) the engine's stream takes the call's seed; at TP 1 (no stream: vLLM's
+    engine core draws in its own process, by arrival timing) and seeded, nothing is touched."""
+    from gspo_ascend.engines.vllm_rollout import VLLMRolloutEngine
+
+    stream = SamplerStream(get_backend("cpu"), seed=7)
+    with stream():
+        _vllm_draw()
+    engine = object.__new__(VLLMRolloutEngine)  # no vLLM: what reseed_sampler reads
+    engine._stream = stream
+    engine.reseed_sampler(5)
+    assert stream.seed == 5 and stream.states is None
+    engine._stream = None
+    engine.reseed_sampler(6)  # nothing to reseed, nothing raised
 
 
 def test_each_rollout_group_samples_from_a_stream_of_its_own_when_unseeded():

@@ -72,6 +72,15 @@ def run_worker(*cases: str, tmp_path=None, timeout: int = 1200) -> dict[str, dic
     return results
 
 
+@pytest.fixture(scope="session")
+def in_one_process(tmp_path_factory):
+    """The cases that need MindSpeed imported but no fresh process of their own, run in one worker: MindSpeed's
+    dense and MoE forwards (one config after the other: the repatching test shows the second leaves nothing of the
+    first) and its gmm op. Each worker process costs 15-30 s of imports on the CI box (torch, megatron-core,
+    MindSpeed's adaptor and what it reaches); these three ran in three."""
+    return run_worker("forward:dense", "forward:moe", "gmm", tmp_path=tmp_path_factory.mktemp("ms-one-process"))
+
+
 @pytest.fixture
 def worker(tmp_path):
     return lambda *cases, **kw: run_worker(*cases, tmp_path=tmp_path, **kw)

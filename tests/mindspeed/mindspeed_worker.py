@@ -103,13 +103,17 @@ def count_fused_calls(calls: collections.Counter) -> None:
             setattr(module, name, counting(f"mindspeed.{name}", getattr(module, name)))
 
 
+_calls: collections.Counter = collections.Counter()  # the counting wrappers are installed once a process
+
+
 def forward(kind: str) -> dict[str, Any]:
     """One forward and backward of megatron-core's GPTModel (Qwen3-like, 2 layers) with MindSpeed's patches (or,
-    for kind "plain", without MindSpeed); returns the logits, the counted fused-op calls and the grad norm."""
+    for kind "plain", without MindSpeed); returns the logits, the counted fused-op calls and the grad norm. Another
+    MindSpeed kind may follow in the same process (conftest.py ``in_one_process``): the process group is kept, the
+    model-parallel state rebuilt, the counts started again."""
     import torch
     import torch.nn.functional as F
 
-    calls: collections.Counter = collections.Counter()
     if kind != "plain":
         features(kind)
     import torch.distributed as dist
@@ -119,9 +123,12 @@ def forward(kind: str) -> dict[str, Any]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    count_fused_calls(calls)
+    count_fused_calls(_calls)
+    _calls.clear()
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.destroy_model_parallel()  # a no-op for the first forward of a process
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     moe = kind == "moe"
@@ -148,7 +155,7 @@ def forward(kind: str) -> dict[str, Any]:
     grad_norm = torch.sqrt(sum(p.grad.float().pow(2).sum() for p in model.parameters() if p.grad is not None))
     return {
         "logits": logits.detach().flatten().tolist(),
-        "calls": dict(calls),
+        "calls": dict(_calls),
         "grad_norm": float(grad_norm),
         "experts": type(model.decoder.layers[0].mlp.experts).__name__ if moe else None,
     }

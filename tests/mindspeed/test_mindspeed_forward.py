@@ -7,10 +7,10 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_dense_forward_equals_plain_megatron(worker):
+def test_dense_forward_equals_plain_megatron(in_one_process, worker):
     """Flash attention (npu_fusion_attention), fused RMSNorm (npu_rms_norm) and MindSpeed's fused RoPE (its own
     op, the shim's reference) run, and the logits and gradients are megatron's without MindSpeed."""
-    ms = worker("forward:dense")["forward:dense"]
+    ms = in_one_process["forward:dense"]
     plain = worker("forward:plain")["forward:plain"]
     assert ms["calls"] == {
         "npu_rms_norm": 9,
@@ -23,8 +23,8 @@ def test_dense_forward_equals_plain_megatron(worker):
     assert ms["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
 
 
-def test_moe_forward_runs_through_mindspeed_grouped_gemm(worker):
-    result = worker("forward:moe")["forward:moe"]
+def test_moe_forward_runs_through_mindspeed_grouped_gemm(in_one_process):
+    result = in_one_process["forward:moe"]  # right after the dense forward, in its process
     assert result["experts"] == "MindSpeedGmmExperts"  # MindSpeed's class replaced megatron's GroupedMLP
     calls = result["calls"]
     assert calls["mindspeed.npu_gmm"] == 4 and calls["mindspeed.npu_gmm_backward"] == 4  # fc1 / fc2 x 2 layers

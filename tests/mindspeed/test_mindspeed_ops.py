@@ -58,9 +58,9 @@ def test_rotary_position_embedding_refuses_what_mindspeed_refuses(shape, cos_sha
         mindspeed_ops.npu_rotary_position_embedding(torch.ones(5, 2, 3, 8, dtype=torch.float64), cos, cos, 0)
 
 
-def test_mindspeed_gmm_op_equals_per_group_matmuls(worker):
+def test_mindspeed_gmm_op_equals_per_group_matmuls(in_one_process):
     """MindSpeed's npu_gmm (torch library op, autograd Function, builder module = the shim's reference), an empty
     group included, against float64 per-group matmuls: output and both gradients."""
-    result = worker("gmm")["gmm"]
+    result = in_one_process["gmm"]
     assert result["y"] < 1e-5 * result["scale"]
     assert result["dx"] < 1e-5 * result["scale"] and result["dw"] < 1e-5 * result["scale"]

@@ -27,13 +27,13 @@ fi
 # pip is configured with; pip otherwise, said once
 # shellcheck source-path=SCRIPTDIR source=lib/uv.sh
 source scripts/lib/uv.sh
-if uv=$(uv_bin "$PY") && [[ -n "$uv" ]]; then
-  mapfile -t sources < <(uv_sources "$PY")
+if uv=$(uv_bin "$PY"); then
+  mapfile -t sources < <(uv_sources "$VENV/bin/python")  # the venv's pip: it sees the venv's pip.conf too
   export UV_CACHE_DIR="$UV_CACHE_ROOT/uv" UV_NO_PROGRESS=1
   INSTALL=("$uv" pip install --python "$VENV/bin/python" --quiet "${sources[@]}")
   BYTECODE=(--compile-bytecode)  # as pip does: the suite's first imports would compile them otherwise
 else
-  echo "setup: uv could not be installed from PyPI; installing with pip (slower)" >&2
+  echo "setup: uv could not be installed (pip install uv==$UV_VERSION); installing with pip (slower)" >&2
   INSTALL=("$VENV/bin/python" -m pip --disable-pip-version-check install -q)
   BYTECODE=()
 fi

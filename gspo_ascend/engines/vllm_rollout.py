@@ -186,6 +186,17 @@ def sampling_seed(seed: int, seeded: bool, group: int) -> int:
     return seed if seeded else seed + GROUP_SEED_STRIDE * group
 
 
+def call_seed(requests: Sequence[Request], group: int) -> int:
+    """The seed an in-process engine's SamplerStream starts one generate call at: a function of the call's
+    requests (their seeds follow the step, the round of a partial rollout and the turn of a multi-turn one; the
+    dispatch offsets them per rollout group on the generate path) and of the rollout group itself (the
+    generate_requests path hands every group the same requests' seeds), alike on a group's TP ranks, which run the
+    same requests. Without the group, row k of every group would draw the same noise."""
+    first = requests[0].seed if requests else 0
+    mixed = ((first * 1_000_003 + len(requests)) * 1_000_033 + sum(q.n for q in requests)) * GROUP_SEED_STRIDE
+    return (mixed + group) % 2**63
+
+
 def _rank() -> int:
     """This process's rank in the trainer's world (0 outside one): a TP 1 engine's rollout group."""
     dist = torch.distributed
@@ -200,9 +211,9 @@ class SamplerStream:
     draw the same noise or their samples, and then their batches, part. The trainer's streams need not agree over
     those ranks (fsdp's data-parallel ranks draw apart; megatron forks its own), and vLLM's draws must not move
     them. So each generate runs on this stream: seeded alike on every rank at its first use after
-    :meth:`reseed` (the engine reseeds it with each call's seed), advanced by vLLM's draws alone within the call
-    (an in-flight session's engine steps); the trainer's streams are put back after each use. What it swaps: the
-    torch generators :func:`_rng_kept` keeps (:func:`_torch_rng`)."""
+    :meth:`reseed` (the engine reseeds it with each call's :func:`call_seed`), advanced by vLLM's draws alone within
+    the call; the trainer's streams are put back after each use. What it swaps: the torch generators
+    :func:`_rng_kept` keeps (:func:`_torch_rng`)."""
 
     def __init__(self, backend: Backend, seed: int) -> None:
         self.backend, self.seed = backend, seed
@@ -272,7 +283,6 @@ class EngineSteps:
     def __init__(self, rollout: VLLMRolloutEngine, params: SamplingParams) -> None:
         self.rollout, self.params, self.serial = rollout, params, 0
         self.llm = rollout.llm
-        rollout.reseed_sampler(params.seed)  # one session, one call: its steps draw on from the session's seed
 
     def add(self, key: int, prompt: Sequence[int], max_new_tokens: int, seed: int) -> None:
         q = Request(tuple(int(t) for t in prompt), 1, max_new_tokens, seed)
@@ -499,24 +509,24 @@ class VLLMRolloutEngine:
             self._warn_raw_logprobs(self.logprobs_mode, keys, "see the engine start")
         per_request = [_vllm_params(params, q, seeded=self.seeded) for q in requests]
         prompts = [{"prompt_token_ids": list(q.prompt_ids)} for q in requests]
-        self.reseed_sampler(params.seed)
+        self.reseed_sampler(requests)
         with self.sampling():
             outputs = self.llm.generate(prompts, per_request, use_tqdm=False)
         return self._to_batch(requests, outputs, params.max_new_tokens)
 
-    def reseed_sampler(self, seed: int) -> None:
-        """Unseeded requests in-process (rollout TP > 1): this engine's SamplerStream starts the call at ``seed``
-        (the call's ``params.seed``: a function of the step, offset per rollout group by the dispatch), so the
-        call's samples depend on its weights, requests and seed, not on the calls before it, and a resumed run's
-        calls draw what the uninterrupted run's drew; they still depend on the requests beside them (one batched
-        draw). In-process the engine core steps only once every request of the call is in. Not at TP 1, where
-        vLLM's engine core is a process of its own: ``LLM.generate`` sends it the requests one by one while its busy
-        loop already schedules, so an unseeded decode step's batch, and which row draws which noise, follows the
-        timing (measured: the same call twice after a reseed of the worker's generators gave other samples in two
-        of three runs); seeded requests are the reproducible choice there. Seeded requests carry their own
-        generators: nothing to do."""
+    def reseed_sampler(self, requests: Sequence[Request]) -> None:
+        """Unseeded requests in-process (rollout TP > 1): this engine's SamplerStream starts the call of
+        ``requests`` at their :func:`call_seed` for this rank's rollout group, so the call's samples depend on its
+        weights, requests and rollout group, not on the calls before it, and a resumed run's calls draw what the
+        uninterrupted run's drew; they still depend on the requests beside them (one batched draw). In-process the
+        engine core steps only once every request of the call is in. Not at TP 1, where vLLM's engine core is a
+        process of its own: ``LLM.generate`` sends it the requests one by one while its busy loop already
+        schedules, so an unseeded decode step's batch, and which row draws which noise, follows the timing
+        (measured: the same call twice after a reseed of the worker's generators gave other samples in two of three
+        runs); seeded requests are the reproducible choice there. Seeded requests carry their own generators:
+        nothing to do."""
         if self._stream is not None:
-            self._stream.reseed(seed)
+            self._stream.reseed(call_seed(requests, self.tp_group))
 
     def sampling(self) -> contextlib.AbstractContextManager:
         """Where vLLM's sampler draws: its own stream for unseeded requests in-process (SamplerStream), else as is."""

@@ -5,8 +5,8 @@
 # against pip's ~150 s, measured 2026-12-02 on the 2-core CI box), hardlinking the files from its cache.
 #
 #   source scripts/lib/uv.sh
-#   uv=$(uv_bin "$PY")            # uv's path, installed on first use; empty (and a one-line reason) when it cannot be
-#   uv_sources "$PY"              # pip's own index settings (pip.conf, PIP_* env) as uv options, one per line
+#   uv=$(uv_bin "$PY")            # uv's path, installed on first use with PY's pip; status 1 when it cannot be
+#   uv_sources "$PY"              # PY's pip's index settings (pip.conf, PIP_* env) as uv options, one per line
 
 UV_VERSION=0.13.9
 UV_CACHE_ROOT=${GSPO_CI_CACHE:-$HOME/.cache/gspo-ci}
@@ -17,13 +17,15 @@ uv_bin() {  # uv_bin PY: print uv's path, installing it with PY's pip on first u
   if [[ ! -x "$dir/bin/uv" ]]; then
     mkdir -p "$UV_CACHE_ROOT"
     tmp="$UV_CACHE_ROOT/.uv-$UV_VERSION.tmp-$$"
-    if ! { "$py" -m venv "$tmp" && "$tmp/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION" \
-      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }; then  # empty file:// indexes
-      rm -rf "$tmp"
+    # their output to stderr: this function's stdout is the path its caller captures
+    if ! { "$py" -m venv "$tmp" >&2 && "$tmp/bin/python" -m pip install -q --disable-pip-version-check \
+      "uv==$UV_VERSION" >&2 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }; then
+      rm -rf "$tmp"  # (the grep drops pip's note on this machine's empty file:// indexes)
       return 1
     fi
     mv -T "$tmp" "$dir" 2> /dev/null || rm -rf "$tmp"  # another run's got there first: theirs is as good
   fi
+  [[ -x "$dir/bin/uv" ]] || return 1  # a leftover folder without it
   echo "$dir/bin/uv"
 }
 
@@ -35,6 +37,7 @@ uv_sources() {  # uv_sources PY: the indexes and find-links pip is configured wi
   while IFS= read -r line; do
     key=${line%%=*} value=${line#*=}
     value=${value#\'} value=${value%\'}
+    value=${value//\\n/ }  # a multi-line pip.conf value: pip prints its newlines as \n
     for item in $value; do
       case "$key" in
         *.extra-index-url) echo "--extra-index-url=$item" ;;

@@ -48,8 +48,8 @@ def run_worker(*cases: str, tmp_path=None, timeout: int = 1200) -> dict[str, dic
     ``forward:plain`` (137 s at load 9-14) was killed at the former 300 s."""
     from gspo_ascend.selftest.launch import free_port
 
-    # a port of its own for the one-rank process group (forward cases): CI runs this venv's tests in two pytest
-    # processes beside another branch's (.ci/run), and the worker's fixed default would then be bound twice
+    # a port of its own for the one-rank process group (forward cases): CI runs the two branches' tests side by
+    # side (.ci/run), and the worker's fixed default would then be bound by both
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     if tmp_path is not None:  # MindSpeed creates torch's JIT-extension directory at import
         env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")

@@ -111,20 +111,34 @@ def test_a_reseeded_stream_starts_again_and_goes_on_within_the_call():
     assert torch.equal(second, torch.empty(6).exponential_(generator=expected))
 
 
-def test_each_call_reseeds_the_in_process_stream_and_nothing_else():
-    """Unseeded in-process (rollout TP > 1) the engine's stream takes the call's seed; at TP 1 (no stream: vLLM's
-    engine core draws in its own process, by arrival timing) and seeded, nothing is touched."""
+def _bare_engine(stream: SamplerStream | None, group: int = 0):
     from gspo_ascend.engines.vllm_rollout import VLLMRolloutEngine
 
-    stream = SamplerStream(get_backend("cpu"), seed=7)
-    with stream():
-        _vllm_draw()
     engine = object.__new__(VLLMRolloutEngine)  # no vLLM: what reseed_sampler reads
-    engine._stream = stream
-    engine.reseed_sampler(5)
-    assert stream.seed == 5 and stream.states is None
-    engine._stream = None
-    engine.reseed_sampler(6)  # nothing to reseed, nothing raised
+    engine._stream, engine.tp_group = stream, group
+    return engine
+
+
+def test_a_call_reseeds_the_in_process_stream_by_its_requests_and_rollout_group():
+    """Unseeded in-process (rollout TP > 1) the engine's stream restarts at the call's seed, a function of the
+    requests and the rollout group: the same call twice restarts it alike; another round's or turn's requests
+    (other seeds), or another group given the same requests (WorkerGroup.generate_requests hands every group the
+    same), start elsewhere. At TP 1 (no stream: vLLM's engine core draws in its own process, by arrival timing)
+    nothing is touched."""
+    from gspo_ascend.engines.base import Request
+
+    calls = [Request((1, 2), 4, 8, 1000), Request((3,), 4, 8, 1004)]
+    later_round = [Request((1, 2, 5), 1, 4, 2000), Request((3, 6), 1, 4, 2001)]
+    seeds = []
+    for group, requests in ((0, calls), (0, calls), (1, calls), (0, later_round)):
+        stream = SamplerStream(get_backend("cpu"), seed=7)
+        with stream():
+            _vllm_draw()  # an earlier call
+        _bare_engine(stream, group).reseed_sampler(requests)
+        assert stream.states is None  # the next use starts again
+        seeds.append(stream.seed)
+    assert seeds[0] == seeds[1] and len(set(seeds[1:])) == 3
+    _bare_engine(None).reseed_sampler(calls)  # nothing to reseed, nothing raised
 
 
 def test_each_rollout_group_samples_from_a_stream_of_its_own_when_unseeded():

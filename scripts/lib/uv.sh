@@ -32,7 +32,9 @@ uv_bin() {  # uv_bin PY: print uv's path, installing it with PY's pip on first u
 uv_sources() {  # uv_sources PY: the indexes and find-links pip is configured with, as uv options (one per line).
   # uv reads no pip.conf; without these it would miss what a machine serves from its own disk (this CI box: the
   # torch +cpu wheel in a find-links folder). pip considers every index's versions; so does unsafe-best-match.
-  local line key value item
+  # Not carried over: no-index, constraint (the locks pin every package) and cert (uv trusts its own roots); of
+  # several index-url settings the first pip lists (its environment's, where set) is kept.
+  local line key value item index=""
   echo "--index-strategy=unsafe-best-match"
   while IFS= read -r line; do
     key=${line%%=*} value=${line#*=}
@@ -41,7 +43,7 @@ uv_sources() {  # uv_sources PY: the indexes and find-links pip is configured wi
     for item in $value; do
       case "$key" in
         *.extra-index-url) echo "--extra-index-url=$item" ;;
-        *.index-url) echo "--index-url=$item" ;;
+        *.index-url) [[ -n "$index" ]] || { index=$item; echo "--index-url=$item"; } ;;
         *.find-links) echo "--find-links=$item" ;;
       esac
     done

@@ -592,7 +592,8 @@ class VLLMRolloutEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Stream HF-named full tensors to every worker (module docstring); returns the bytes sent in the engine's
-        dtype. Names the model does not have raise; parameters the stream did not cover raise after the update."""
+        dtype. Names the model does not have raise where vLLM's loader refuses them (0.32; 0.23's Qwen3 loader skips
+        them: docs/troubleshooting.md); parameters the stream did not cover raise after the update."""
         start = time.perf_counter()
         # only the vLLM calls beside MindSpeed: the stream itself is the train engine's code (megatron's gathers)
         if "weights" in self._asleep:  # load into resident weights; the KV cache stays asleep until wake_up

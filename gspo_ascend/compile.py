@@ -56,10 +56,11 @@ class EagerFallback:
     its context) and the compiled path is kept for the next call.
     """
 
-    def __init__(self, fn: Callable, compile_kwargs: dict[str, Any]):
+    def __init__(self, fn: Callable, compile_kwargs: dict[str, Any], key: str = "trainer.compile"):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.compile_kwargs = compile_kwargs
+        self.key = key  # the config key that asked for it, named in the warning
         self.compiled: Callable | None = None
         self.eager = False  # the cached decision: True once compilation has failed
 
@@ -77,34 +78,42 @@ class EagerFallback:
             self.eager, self.compiled = True, None
             _warn_once(
                 _name(self.fn),
-                "torch.compile failed for %s (%s); running it eagerly from now on (trainer.compile=off hides this)",
+                "torch.compile failed for %s (%s); running it eagerly from now on (%s=off hides this)",
                 _name(self.fn),
                 _describe(exc),
+                self.key,
             )
             return result
 
 
 def maybe_compile(
-    fn: Callable, backend: Backend, setting: str = "auto", *, compile_kwargs: dict[str, Any] | None = None
+    fn: Callable,
+    backend: Backend,
+    setting: str = "auto",
+    *,
+    compile_kwargs: dict[str, Any] | None = None,
+    key: str = "trainer.compile",
 ) -> Callable:
     """``fn`` itself (eager) or an :class:`EagerFallback` around ``torch.compile(fn, **compile_kwargs)``.
 
     ``setting`` is ``trainer.compile``: auto = the backend's policy (``Backend.use_compile``: off on NPU and,
     by default, elsewhere too), on, off. ``compile_kwargs`` go to torch.compile (e.g. ``{"dynamic": True}``;
-    its ``backend`` key is the dynamo backend, unrelated to the device ``backend`` here).
+    its ``backend`` key is the dynamo backend, unrelated to the device ``backend`` here). ``key``: the config key
+    ``setting`` came from, named in the messages (``actor.compile_layers`` uses this too).
     """
     if setting not in SETTINGS:
-        raise ConfigError(f"trainer.compile={setting!r} is not valid; use one of: {', '.join(SETTINGS)}")
+        raise ConfigError(f"{key}={setting!r} is not valid; use one of: {', '.join(SETTINGS)}")
     if backend.name == "npu":  # also the emulated NPU: the decision must be the one the hardware gets
         if setting == "on":
             _warn_once(
-                "npu:on",
-                "trainer.compile=on is ignored on npu: graph mode does not work for RL there; running eagerly",
+                f"npu:{key}",
+                "%s=on is ignored on npu: graph mode does not work for RL there; running eagerly",
+                key,
             )
         return fn
     if not backend.use_compile(setting):
         return fn
-    return EagerFallback(fn, dict(compile_kwargs or {}))
+    return EagerFallback(fn, dict(compile_kwargs or {}), key)
 
 
 def resolve_enforce_eager(cfg_value: bool | None, backend: Backend) -> bool:

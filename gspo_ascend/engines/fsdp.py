@@ -44,6 +44,7 @@ from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import packed_attention, routing, ulysses
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
+from gspo_ascend.engines.compiled_layers import compile_layers
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.hf_load import load_causal_lm
 from gspo_ascend.engines.logprobs import forward_log_probs, token_layout, uploaded
@@ -149,6 +150,10 @@ class FSDPEngine:
             packed_attention.enable(model)  # sdpa / eager: one attention per packed sequence, not the whole row
         if trainable and self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # before fully_shard (compiled_layers.py); the reference policy's forwards too, where it exists
+        wrappers = compile_layers(model, self.backend, self.cfg.actor.compile_layers)
+        if trainable:
+            self.compiled_layers = wrappers
         mp = MixedPrecisionPolicy()
         if self.compute_dtype != self.master_dtype:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.master_dtype)

@@ -14,7 +14,16 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["attention", "selftest", "small_model", "train", "throughput_fsdp", "throughput_megatron", "trl"]
+STEPS = [
+    "attention",
+    "selftest",
+    "small_model",
+    "train",
+    "throughput_fsdp",
+    "throughput_megatron",
+    "trl",
+    "throughput_fsdp_compiled",
+]
 
 
 def test_the_proof_runs_every_step_on_the_cpu(tmp_path):
@@ -41,6 +50,8 @@ def test_the_proof_runs_every_step_on_the_cpu(tmp_path):
         figures = steps[f"throughput_{engine}"]["figures"]
         assert figures["engine"] == engine and figures["tokens_per_second"] > 0
     assert steps["trl"]["figures"]["step_time_ratio"] > 0
+    compiled = steps["throughput_fsdp_compiled"]["figures"]
+    assert compiled["compiled_layers"] > 0 and compiled["tokens_per_second_vs_plain"] > 0
     attention = steps["attention"]["figures"]
     assert attention["runs"]["per_sequence_cpu"]["available"] and not attention["runs"]["varlen"]["available"]
     assert steps["attention"]["seconds"] < 30  # tiny on the CPU: seconds, first in the budget

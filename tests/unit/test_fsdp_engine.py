@@ -529,3 +529,54 @@ def test_trainer_compile_on_compiles_the_engines_policy_loss(model_path):
     assert make_engine(model_path).policy_loss is get_policy_loss("gspo")
     on = make_engine(model_path, "trainer.compile=on").policy_loss
     assert isinstance(on, EagerFallback) and on.fn is get_policy_loss("gspo")
+
+
+def test_compiled_layers_equal_eager_and_compile_once(model_path):
+    """actor.compile_layers=on (engines/compiled_layers.py): every RMSNorm and MLP runs compiled, with log-probs and
+    gradients equal to eager's in float32, and batches of other lengths compile six graphs in all (norm over hidden,
+    norm over head_dim, MLP; each without grad for the log-probs and with it for the update): none per length."""
+    from torch._dynamo.utils import counters
+
+    from gspo_ascend.engines.compiled_layers import compiled_count
+
+    torch._dynamo.reset()
+    counters.clear()
+    batches = [rollout(model_path, 4, seed=8), rollout(model_path, 6, seed=11)]
+    assert batches[0].response_mask.sum(1).tolist() != batches[1].response_mask.sum(1).tolist()
+    results = {}
+    for mode in ("off", "on"):
+        engine = make_engine(model_path, f"actor.compile_layers={mode}")
+        engine.model.train()
+        log_probs = [engine.compute_log_probs(b, 1.0) for b in batches]
+        for b in batches:
+            engine.backward_minibatch(b, 1.0)
+        results[mode] = (engine, log_probs, full_grads(engine))
+    eager, on = results["off"], results["on"]
+    assert eager[0].compiled_layers == []
+    layers = on[0].model.config.num_hidden_layers
+    # per decoder layer: input / post-attention norms, q / k norms, the MLP; then the final norm
+    assert len(on[0].compiled_layers) == 5 * layers + 1
+    assert compiled_count(on[0].compiled_layers) == 5 * layers + 1  # none fell back to eager
+    assert counters["stats"]["unique_graphs"] == 6
+    for got, want in zip(on[1], eager[1], strict=True):
+        assert ((got - want).abs() <= 1e-6 * want.abs().clamp_min(1)).all()
+    scale = max(g.abs().max().item() for g in eager[2].values())
+    assert_close_dicts(on[2], eager[2], atol=1e-5 * scale)
+
+
+def test_compiled_layers_never_on_npu_and_megatron_refuses_the_key():
+    from gspo_ascend.config import load_config
+    from gspo_ascend.device import NPU
+    from gspo_ascend.engines.compiled_layers import compile_layers
+
+    model = torch.nn.Sequential(plain_model_norm())
+    forward = model[0].forward
+    assert compile_layers(model, NPU, "on") == [] and model[0].forward == forward
+    with pytest.raises(ConfigError, match="actor.compile_layers"):
+        load_config(overrides=["actor.engine=megatron", "actor.compile_layers=on"])
+
+
+def plain_model_norm() -> torch.nn.Module:
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return Qwen3RMSNorm(8)

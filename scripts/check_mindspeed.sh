@@ -144,7 +144,9 @@ exec 9>"$CACHE/locks/$(realpath -m "$VENV" | sha256sum | cut -c1-16).lock"
 flock 9
 if ((rebuild)); then rm -rf "$VENV"; fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv --without-pip "$VENV"
-stamp="$VENV/.gspo-mindspeed-$( (printf '%s\n' "${PINS[@]}"; cat pyproject.toml "$self") | sha256sum | cut -c1-16)"
+# the helper's UV_VERSION (scripts/lib/uv.sh) is part of how the venv was built, so a bump rebuilds it
+stamp="$VENV/.gspo-mindspeed-$( (printf '%s\n' "${PINS[@]}"; cat pyproject.toml "$self" "${self%/*}/lib/uv.sh") |
+  sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
   start=$SECONDS
   uv_pip install "${PINS[@]}"

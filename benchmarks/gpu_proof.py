@@ -298,10 +298,11 @@ def throughput_judge(engine: str, variant: str = "") -> Callable[[Ctx, int, Path
             return "fail", f"exit {rc}: {_last_error(log)}", {}
         data = json.loads(path.read_text())
         detail = _last_line(log)
-        base = ctx.work / f"throughput_{engine}.json"
-        if variant and base.is_file():  # the variant against the plain run of the same engine, same shape
-            plain = json.loads(base.read_text()).get("tokens_per_second")
-            if plain and data.get("tokens_per_second"):
+        if not variant:  # for a variant of this engine later in this run (never a --work's leftover)
+            ctx.found[f"throughput_{engine}"] = data.get("tokens_per_second")
+        plain = ctx.found.get(f"throughput_{engine}") if variant else None
+        if plain:  # the variant against this run's plain run of the same engine, same shape
+            if data.get("tokens_per_second"):
                 data["tokens_per_second_vs_plain"] = data["tokens_per_second"] / plain
                 detail = f"{data['tokens_per_second_vs_plain']:.3f}x the plain run's tokens/s; {detail}"
         return "pass", detail, data

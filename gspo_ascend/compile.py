@@ -49,6 +49,16 @@ def _name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+def _passes_through(exc: BaseException) -> bool:
+    """Control flow of torch's own, not a compiler failure: non-reentrant activation checkpointing stops its
+    recomputation early by raising ``_StopRecomputationError`` through the recomputed forward; running that forward
+    again eagerly would trip the checkpoint's hooks (``target_frame.early_stop is set``)."""
+    import torch.utils.checkpoint as checkpoint
+
+    stop = getattr(checkpoint, "_StopRecomputationError", None)
+    return stop is not None and isinstance(exc, stop)
+
+
 class EagerFallback:
     """Calls ``torch.compile(fn)``; on a compiler error runs ``fn`` eagerly and stays eager from then on.
 
@@ -74,6 +84,8 @@ class EagerFallback:
                 self.compiled = torch.compile(self.fn, **self.compile_kwargs)
             return self.compiled(*args, **kwargs)
         except Exception as exc:
+            if _passes_through(exc):
+                raise
             result = self.fn(*args, **kwargs)  # re-raises here if the error is fn's, not the compiler's
             self.eager, self.compiled = True, None
             _warn_once(

@@ -109,8 +109,8 @@ class ActorConfig:
     # kept gathered through the minibatch, gradients reduced once; auto = off where the planner says it fits (on
     # the host: one rank only; docs/engines.md)
     fsdp_reshard_after_forward: Literal["auto", "on", "off"] = "auto"
-    # fsdp engine: torch.compile of every RMSNorm and gated MLP (engines/compiled_layers.py): on CPU 1.17x a bf16
-    # step, 0.94x a float32 one; auto = off on every backend until the GPU proof measures CUDA; never on NPU
+    # fsdp engine: torch.compile of every RMSNorm and gated MLP (engines/compiled_layers.py): on CPU 1.15x a bf16
+    # step, 0.95x a float32 one; auto = off on every backend until the GPU proof measures CUDA; never on NPU
     compile_layers: Literal["auto", "on", "off"] = "auto"
     # MoE routing replay (engines/routing.py, docs/engines.md): r2 = the experts the old-log-prob forward chose are
     # replayed in the update's forwards (the GSPO paper's Routing Replay); r3 = the rollout engine's experts are

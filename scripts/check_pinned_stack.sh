@@ -65,14 +65,16 @@ sed -e 's/\[[^]]*\]//' "$reqs" > "$cons"
 
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-stamp="$VENV/.gspo-pinned-$(cat requirements-gpu.txt "$self" | sha256sum | cut -c1-16)"
+# the test runner's pins come from the CPU lock: pytest lines in the stamp too
+mapfile -t runner < <(grep -E '^pytest(-xdist)?==' requirements-cpu.txt)
+((${#runner[@]} == 2)) || { echo "check_pinned_stack: requirements-cpu.txt pins no pytest / pytest-xdist" >&2; exit 2; }
+stamp="$VENV/.gspo-pinned-$( (cat requirements-gpu.txt "$self"; printf '%s\n' "${runner[@]}") | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
   torch_pin=("torch==$TORCH_VER")
   [[ -n "${TORCH_INDEX:-}" ]] && torch_pin=(--index-url "$TORCH_INDEX" "torch==$TORCH_VER+cpu")
   "${PIP[@]}" install -q "${torch_pin[@]}"
   [[ -n "${TORCH_INDEX:-}" ]] && sed -i "s/^torch==$TORCH_VER\$/torch==$TORCH_VER+cpu/" "$cons"
   # the test runner at the CPU lock's versions: pyproject's addopts ask for xdist (each file runs with -n0 below)
-  mapfile -t runner < <(grep -E '^pytest(-xdist)?==' requirements-cpu.txt)
   "${PIP[@]}" install -q -c "$cons" -r "$reqs" matplotlib "${runner[@]}"
   "${PIP[@]}" install -q --no-deps "$VLLM_PIN"
   # vLLM's declared dependencies, minus the ones that would replace the pinned torch stack (see the header)

@@ -9,7 +9,9 @@ SiLU * up product into one kernel each, forward and backward. Dynamic shapes and
 give six graphs for a whole dense Qwen3 (hidden-size norm, head-dim norm, MLP; with and without grad), whatever the
 layer count or the packed row's length: no recompilation per step, which RL's fresh lengths would otherwise cause.
 
-What is not: attention (our packed attention is a loop over sequences or a varlen call: engines/packed_attention.py)
+Only the policy is compiled: the reference policy (``algorithm.kl_coef > 0``) runs one no-grad forward a step, and
+its frozen parameters would be more variants of the same code objects (see ``compile_layers``). What is not:
+attention (our packed attention is a loop over sequences or a varlen call: engines/packed_attention.py)
 and the rotary embedding, a module-level function of transformers' modeling file (compiling it would change every
 model of the process, the reference policy's and the hf rollout engine's too; it was worth 5% of the step on CPU
 bf16, below). MoE routers and expert loops stay eager (routing replay hooks them: engines/routing.py).
@@ -18,10 +20,10 @@ How this differs from verl, which compiles nothing in its FSDP actor by default 
 (``use_liger``) on CUDA: this is torch's own compiler, so it runs wherever inductor does (CUDA, CPU), and never on
 NPU (graph mode is not usable for RL there: gspo_ascend/compile.py; ``on`` is said once and ignored).
 
-Measured (benchmarks/README.md, "Compiled layers"; CPU, the 22M ``small`` model, 32 sequences of fresh lengths a
-step, 3 steps): bfloat16 2.08 -> 1.77 s a step (1.17x), float32 3.03 -> 3.21 s (0.94x: a float32 update on two
-cores is bound by its matmuls). CUDA is not measured yet (the GPU proof's ``throughput_fsdp_compiled`` step), so
-``auto`` is off on every backend until a measurement says where it pays.
+Measured (benchmarks/README.md, "Compiled norms and SwiGLU"; CPU, the 22M ``small`` model, 32 sequences of fresh
+lengths a step, 4 steps, off and on in turns): bfloat16 1.15x tokens/s (median of four pairs, 0.97-1.22x), float32
+0.95x (a float32 update on two cores is bound by its matmuls). CUDA is not measured yet (the GPU proof's
+``throughput_fsdp_compiled`` step), so ``auto`` is off on every backend until a measurement says where it pays.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from gspo_ascend.compile import EagerFallback, maybe_compile
 from gspo_ascend.device import Backend
 
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+# dynamo's per-code-object variant limit while layers are compiled (see compile_layers): 6 for a dense Qwen3, up to
+# ~10 with checkpointing and one-row dummy passes; still a bound against a recompilation loop
+RECOMPILE_LIMIT = 16
 
 
 def compilable(module: torch.nn.Module) -> bool:
@@ -48,7 +53,8 @@ def _on_rows(compiled: EagerFallback) -> Any:
     sizes 0 and 1) or batch layout becomes a guard. Every module compiled here is row-wise."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return compiled(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        out = compiled(x.reshape(-1, x.shape[-1]))
+        return out.reshape(*x.shape[:-1], out.shape[-1])  # not view(..., -1): a 0-row input has no -1 to infer
 
     forward.fallback = compiled  # type: ignore[attr-defined]
     return forward
@@ -60,9 +66,15 @@ def compile_layers(model: torch.nn.Module, backend: Backend, setting: str) -> li
     decoder layers, whose hooks gather the parameters these forwards then read.
 
     Graphs: dynamo keeps one cache per code object (``Qwen3RMSNorm.forward`` for every norm), guarded on the
-    parameters' shapes and on grad mode, and stops compiling a code object after ``recompile_limit`` (8) variants.
-    A dense Qwen3 needs 6: two norm widths (hidden, head_dim) and one MLP, each with and without grad (the
-    log-prob passes run under no_grad); lengths never add one (tests/unit/test_fsdp_engine.py)."""
+    parameters' shapes and on grad mode, and past ``recompile_limit`` (8) variants of one code object it runs new
+    ones eagerly with a warning of its own. A dense Qwen3 needs 6: two norm widths (hidden, head_dim) and one MLP,
+    each with and without grad (the log-prob passes run under no_grad); lengths never add one, but a one-row input
+    (the dummy pass that evens out micro-batch counts across ranks: dynamo specialises sizes 0 and 1) and the
+    recomputation of activation checkpointing each may (tests/unit/test_fsdp_engine.py). So the limit is raised to
+    ``RECOMPILE_LIMIT`` while this is on: the variants are bounded by the model's module kinds, not by the data."""
+    # auto is off here by this key's own measurement (module docstring), not Backend.compile_by_default, which is
+    # trainer.compile's policy
+    setting = "off" if setting == "auto" else setting
     wrappers: list[EagerFallback] = []
     for module in model.modules():
         if not compilable(module):
@@ -74,6 +86,12 @@ def compile_layers(model: torch.nn.Module, backend: Backend, setting: str) -> li
             break
         module.forward = _on_rows(compiled)  # the instance's attribute: nn.Module.__call__ finds it first
         wrappers.append(compiled)
+    if wrappers:
+        import torch._dynamo.config as dynamo
+
+        for name in ("recompile_limit", "cache_size_limit"):  # the name torch 2.7+ reads, and its older alias
+            if hasattr(dynamo, name):
+                setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
     return wrappers
 
 

@@ -150,10 +150,8 @@ class FSDPEngine:
             packed_attention.enable(model)  # sdpa / eager: one attention per packed sequence, not the whole row
         if trainable and self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # before fully_shard (compiled_layers.py); the reference policy's forwards too, where it exists
-        wrappers = compile_layers(model, self.backend, self.cfg.actor.compile_layers)
-        if trainable:
-            self.compiled_layers = wrappers
+        if trainable:  # before fully_shard; the policy only (compiled_layers.py)
+            self.compiled_layers = compile_layers(model, self.backend, self.cfg.actor.compile_layers)
         mp = MixedPrecisionPolicy()
         if self.compute_dtype != self.master_dtype:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.master_dtype)

@@ -44,7 +44,6 @@ from gspo_ascend.config import Config
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import packed_attention, routing, ulysses
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
-from gspo_ascend.engines.compiled_layers import compile_layers
 from gspo_ascend.engines.hf_export import write_hf_checkpoint
 from gspo_ascend.engines.hf_load import load_causal_lm
 from gspo_ascend.engines.logprobs import forward_log_probs, token_layout, uploaded
@@ -151,6 +150,8 @@ class FSDPEngine:
         if trainable and self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if trainable:  # before fully_shard; the policy only (compiled_layers.py)
+            from gspo_ascend.engines.compiled_layers import compile_layers
+
             self.compiled_layers = compile_layers(model, self.backend, self.cfg.actor.compile_layers)
         mp = MixedPrecisionPolicy()
         if self.compute_dtype != self.master_dtype:

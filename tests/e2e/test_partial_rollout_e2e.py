@@ -39,10 +39,12 @@ def test_one_full_round_is_the_synchronous_run(tmp_path):
 
 
 def test_resume_with_samples_in_flight_equals_the_uninterrupted_run(tmp_path):
-    # 4-token rounds, up to 4 of them: the tiny model's ~14-token answers span rounds and steps
+    # 4-token rounds, up to 8 of them: the tiny model's ~14-token answers span rounds and steps and end by EOS in
+    # different rounds (with 4 rounds, a box whose tiny model answers at 16+ tokens cut every sample at the budget
+    # in the same round, so no group was in flight at the checkpoint)
     common = (
         "partial_rollout.round_tokens=4",
-        "partial_rollout.max_rounds=4",
+        "partial_rollout.max_rounds=8",
         "dynamic_sampling.enabled=true",
         "trainer.save_freq=2",
     )

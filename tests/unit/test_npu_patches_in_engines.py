@@ -60,7 +60,10 @@ def test_fsdp_engine_on_npu_applies_the_patches_and_keeps_log_probs(npu_shim, mo
     assert patched.model.config._attn_implementation == "npu_fusion"
     got = patched.compute_log_probs(batch, 0.7)
     assert got.shape == want.shape
-    assert (got - want).abs().max().item() <= 1e-5
+    # float32 log-probs through other kernels (the shim's fused attention and RMSNorm against sdpa): 1.14e-5 apart on
+    # a box with AMX when gspo_ascend.engines.fsdp was imported before the shim was installed (an earlier test in
+    # the worker; why the import order moves it is not established), under 1e-5 otherwise; a wrong patch is O(1e-2)
+    assert (got - want).abs().max().item() <= 2e-5
     fsdp_engine(model_path)  # a second engine in the process (the reference model) prints nothing more
     assert "NPU patches" not in capsys.readouterr().out
 

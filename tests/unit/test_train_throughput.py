@@ -138,7 +138,7 @@ def test_the_report_sums_steps_of_different_sizes(bench):
     raw = {"backend": backend, "batches": batches, "spec": spec_from_dict({"model_type": "qwen3", **bench.TINY}),
            "overrides": [], "first_seconds": 3.0, "seconds": [1.0, 3.0], "peak": None, "predicted": 1,
            "predicted_parts": {}, "metrics": [{"actor/micro_batches": 1}, {"actor/micro_batches": 1}],
-           "syncs": bench.count_syncs(None, None, backend)}  # fmt: skip
+           "syncs": bench.count_syncs(None, None, backend), "compiled_layers": 0}  # fmt: skip
     r = bench.report(args, raw)
     assert r["host_syncs_per_update"] is None  # nothing to count on the host
     lengths = [bench.sequence_lengths(b) for b in batches]

@@ -301,10 +301,9 @@ def throughput_judge(engine: str, variant: str = "") -> Callable[[Ctx, int, Path
         if not variant:  # for a variant of this engine later in this run (never a --work's leftover)
             ctx.found[f"throughput_{engine}"] = data.get("tokens_per_second")
         plain = ctx.found.get(f"throughput_{engine}") if variant else None
-        if plain:  # the variant against this run's plain run of the same engine, same shape
-            if data.get("tokens_per_second"):
-                data["tokens_per_second_vs_plain"] = data["tokens_per_second"] / plain
-                detail = f"{data['tokens_per_second_vs_plain']:.3f}x the plain run's tokens/s; {detail}"
+        if plain and data.get("tokens_per_second"):  # against this run's plain run of the same engine and shape
+            data["tokens_per_second_vs_plain"] = data["tokens_per_second"] / plain
+            detail = f"{data['tokens_per_second_vs_plain']:.3f}x the plain run's tokens/s; {detail}"
         return "pass", detail, data
 
     return judge

@@ -4,6 +4,7 @@
         --shape qwen3-0.6b|small|tiny [--tokens-per-micro-batch 4096] [--steps N] [--json OUT.json]
         [--dtype bfloat16|float32] [--attn sdpa|eager|flash_attention_2] [--samples N]
         [--prompt-length N] [--max-response-length N] [--seed N] [--compile-layers auto|on|off]
+        [--group-size G] [--shared-prefix auto|on|off]
 
 What runs, in this one process (one rank, a world of 1: the engine makes its own one-process group):
 
@@ -17,9 +18,12 @@ What runs, in this one process (one rank, a world of 1: the engine makes its own
    (``actor.use_remove_padding=true``) of at most ``--tokens-per-micro-batch`` real tokens
    (``actor.max_tokens_per_micro_batch``), one minibatch per update (one optimizer step).
 3. Synthetic rollout batches (``SampleBatch``), a fresh one for every update: ``--samples`` random prompts of
-   ``--prompt-length`` tokens, responses of skewed lengths (``max_response * u^2``, u uniform: mean a third of the
-   maximum, one sample at the maximum, as RL responses are: most short, a long tail), old log-probs at ``-ln V`` (a
-   random-init model's level, so sequence ratios start near 1) and random advantages. Update ``i`` (0 the warm-up,
+   ``--prompt-length`` tokens (``--group-size`` G > 1: each prompt answered by G consecutive samples, a rollout's
+   group of n; with ``actor.shared_prefix`` on, ``--shared-prefix``, a micro-batch computes such a prompt once and
+   ``step_processed_tokens`` and the FLOPs count that row's tokens, not the samples'), responses of skewed lengths
+   (``max_response * u^2``, u uniform: mean a third of the maximum, one sample at the maximum, as RL responses are:
+   most short, a long tail), old log-probs at ``-ln V`` (a random-init model's level, so sequence ratios start near
+   1) and random advantages. Update ``i`` (0 the warm-up,
    1..``--steps`` the timed ones) draws its batch with seed ``--seed + i``: the same length distribution, new
    lengths every step, as in RL, where no two micro-batches have the same shape. A benchmark that fed one batch to
    every step would hide every per-shape cost (a cuDNN attention plan built per sequence length, a recompile per
@@ -192,6 +196,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--compile-layers", default="auto", choices=("auto", "on", "off"), help="fsdp only: actor.compile_layers"
     )
+    p.add_argument("--group-size", type=int, default=1, help="samples per prompt (consecutive), as rollout.n")
+    p.add_argument(
+        "--shared-prefix", default="auto", choices=("auto", "on", "off"), help="actor.shared_prefix (fsdp engine)"
+    )
     p.add_argument("--profile", action="store_true", help="after the timed steps, profile one more: top ops on stderr")
     args = p.parse_args(argv)
     if (
@@ -200,15 +208,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--attn is the fsdp engine's (model.attn_implementation); megatron's attention is its layer spec's")
     if args.compile_layers != "auto" and args.engine == "megatron":
         p.error("--compile-layers is the fsdp engine's (actor.compile_layers)")
+    if args.shared_prefix != "auto" and args.engine == "megatron":
+        p.error("--shared-prefix is the fsdp engine's (actor.shared_prefix)")
     args.attn = args.attn or "sdpa"
     shape = SHAPES[args.shape]
     args.tokens_per_micro_batch = args.tokens_per_micro_batch or shape.tokens_per_micro_batch
     args.samples = args.samples or shape.samples
     args.prompt_length = args.prompt_length or shape.prompt_length
     args.max_response_length = args.max_response_length or shape.max_response_length
-    for name in ("steps", "tokens_per_micro_batch", "samples", "prompt_length", "max_response_length"):
+    for name in ("steps", "tokens_per_micro_batch", "samples", "prompt_length", "max_response_length", "group_size"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.samples % args.group_size:
+        p.error(f"--samples ({args.samples}) must be a multiple of --group-size ({args.group_size})")
     return args
 
 
@@ -227,14 +239,16 @@ def write_model(shape: str, out: Path, seed: int) -> Path:
     return out
 
 
-def synthetic_batch(samples: int, prompt_length: int, max_response: int, vocab: int, seed: int):
-    """A rollout-like ``SampleBatch``: random token ids, skewed response lengths (see the module docstring)."""
+def synthetic_batch(samples: int, prompt_length: int, max_response: int, vocab: int, seed: int, group: int = 1):
+    """A rollout-like ``SampleBatch``: random token ids, skewed response lengths (see the module docstring); each
+    prompt answered by ``group`` consecutive samples."""
     import torch
 
     from gspo_ascend.engines.base import SampleBatch
 
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, vocab, (samples, prompt_length), generator=g).tolist()
+    distinct = torch.randint(0, vocab, (samples // group, prompt_length), generator=g).tolist()
+    prompts = [p for p in distinct for _ in range(group)]
     lengths = (max_response * torch.rand(samples, generator=g) ** 2).ceil().clamp(1, max_response).long()
     lengths[0] = max_response  # the tail: one response at the limit
     mask = (torch.arange(max_response)[None] < lengths[:, None]).float()
@@ -248,7 +262,7 @@ def synthetic_batches(args: argparse.Namespace, vocab: int, count: int) -> list:
     """``count`` batches of the run's sizes, batch ``i`` drawn with seed ``args.seed + i`` (0: the warm-up's): one
     length distribution, new lengths every update (see the module docstring)."""
     sizes = (args.samples, args.prompt_length, args.max_response_length, vocab)
-    return [synthetic_batch(*sizes, seed=args.seed + i) for i in range(count)]
+    return [synthetic_batch(*sizes, seed=args.seed + i, group=args.group_size) for i in range(count)]
 
 
 def sequence_lengths(batch) -> list[int]:
@@ -266,6 +280,7 @@ def overrides(args: argparse.Namespace, model_dir: Path) -> list[str]:
         f"trainer.seed={args.seed}",
         f"actor.engine={args.engine}",
         f"actor.compile_layers={args.compile_layers}",
+        *([f"actor.shared_prefix={args.shared_prefix}"] if args.engine == "fsdp" else []),
         f"actor.use_remove_padding={str(not args.padded).lower()}",
         f"actor.max_tokens_per_micro_batch={args.tokens_per_micro_batch}",
         f"data.train_batch_size={args.samples}",
@@ -300,15 +315,24 @@ def model_flops(spec, lengths: list[int]) -> dict[str, float]:
     }
 
 
-def processed_tokens(batch, padded: bool, budget: int) -> tuple[int, int]:
-    """(tokens the passes compute, micro-batches): the engines' own plan; padded, each micro-batch to its longest."""
+def processed_tokens(batch, padded: bool, budget: int, shared: bool = False) -> tuple[int, int]:
+    """(tokens the passes compute, micro-batches): the engines' own plan; padded, each micro-batch to its longest;
+    ``shared`` (actor.shared_prefix ran), each micro-batch's shared-prefix row."""
+    from gspo_ascend.engines.logprobs import shared_prefix_row
     from gspo_ascend.engines.microbatch import plan_micro_batches, sample_tokens
 
-    plan = plan_micro_batches(batch, max_tokens=budget)
+    plan = plan_micro_batches(batch, max_tokens=budget, shared_prefix=shared)
     sizes = sample_tokens(batch)
+    if shared:
+        rows = [batch.select(g) for g in plan.groups]
+        return sum(len(shared_prefix_row(m.prompt_ids, _responses(m)).ids) for m in rows), len(plan)
     if not padded:  # packed rows: exactly the samples' tokens
         return sum(sizes), len(plan)
     return sum(len(g) * max(sizes[i] for i in g) for g in plan.groups), len(plan)
+
+
+def _responses(batch) -> list[list[int]]:
+    return [row[:n] for row, n in zip(batch.response_ids.tolist(), batch.response_lengths.tolist(), strict=True)]
 
 
 def attention_name(engine: str, attn: str, backend) -> str:
@@ -428,6 +452,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         from gspo_ascend.engines.compiled_layers import compiled_count
 
         compiled = compiled_count(getattr(engine, "compiled_layers", []))
+        shared = bool(getattr(engine, "shared_prefix", False))  # actor.shared_prefix as the engine resolved it
     finally:
         engine.close()
     return {
@@ -443,6 +468,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "predicted_parts": parts,
         "syncs": syncs,
         "compiled_layers": compiled,
+        "shared_prefix": shared,
     }
 
 
@@ -453,13 +479,16 @@ def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     warmup, *timed = raw["batches"]
     lengths = [sequence_lengths(b) for b in timed]
     tokens = [sum(n) for n in lengths]
-    pairs = [processed_tokens(b, args.padded, args.tokens_per_micro_batch) for b in timed]
+    shared = raw.get("shared_prefix", False)
+    pairs = [processed_tokens(b, args.padded, args.tokens_per_micro_batch, shared) for b in timed]
     processed, planned = [p for p, _ in pairs], [n for _, n in pairs]
     engine_counts = [int(m.get("actor/micro_batches", p)) for m, p in zip(raw["metrics"], planned, strict=True)]
-    step_flops = [model_flops(spec, n)["per_token"] * t for n, t in zip(lengths, tokens, strict=True)]
+    # model FLOPs of the tokens computed: a shared prompt counts once (the per-token rate of the samples' lengths)
+    computed = processed if shared else tokens
+    step_flops = [model_flops(spec, n)["per_token"] * t for n, t in zip(lengths, computed, strict=True)]
     flops = model_flops(spec, [n for step in lengths for n in step])  # over all timed steps: see the docstring
     tokens_per_s = sum(tokens) / sum(seconds)
-    tflops = sum(step_flops) / sum(seconds) / 1e12  # == flops["per_token"] * tokens_per_s / 1e12
+    tflops = sum(step_flops) / sum(seconds) / 1e12  # unshared: == flops["per_token"] * tokens_per_s / 1e12
     name = backend.device_name()
     peak = peak_tflops(name) if backend.torch_device_type != "cpu" else None
     ratio = raw["peak"] / raw["predicted"] if raw["peak"] is not None and raw["predicted"] else None
@@ -471,6 +500,8 @@ def report(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "dtype": args.dtype,
         "attention": attention_name(args.engine, args.attn, backend),
         "compiled_layers": raw["compiled_layers"],
+        "group_size": args.group_size,
+        "shared_prefix": shared,
         "tokens_per_micro_batch": args.tokens_per_micro_batch,
         "samples_per_step": len(timed[0]),
         "batch_seeds": [args.seed + i for i in range(len(raw["batches"]))],  # [0]: the warm-up's

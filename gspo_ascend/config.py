@@ -112,6 +112,10 @@ class ActorConfig:
     # fsdp engine: torch.compile of every RMSNorm and gated MLP (engines/compiled_layers.py): on CPU 1.15x a bf16
     # step, 0.95x a float32 one; auto = off on every backend until the GPU proof measures CUDA; never on NPU
     compile_layers: Literal["auto", "on", "off"] = "auto"
+    # fsdp engine, packed: samples of one prompt (a group's n) share one forward of it in each micro-batch, the same
+    # log-probs and gradients from fewer tokens (engines/logprobs.py shared_prefix_row); needs the packed attention
+    # hook (sdpa / eager), a dense model, no SP; auto = off for now (shared_prefix_on)
+    shared_prefix: Literal["auto", "on", "off"] = "auto"
     # MoE routing replay (engines/routing.py, docs/engines.md): r2 = the experts the old-log-prob forward chose are
     # replayed in the update's forwards (the GSPO paper's Routing Replay); r3 = the rollout engine's experts are
     # replayed in every trainer forward of the sample; off = each forward routes for itself
@@ -602,6 +606,40 @@ def _compile_layers(cfg: Config) -> Iterable[str]:
     mode = cfg.actor.compile_layers
     if mode != "auto" and cfg.actor.engine != "fsdp":
         yield f"config key 'actor.compile_layers' ({mode}) is the fsdp engine's: leave it auto with megatron"
+
+
+def shared_prefix_blocks(cfg: Config) -> str | None:
+    """Why ``actor.shared_prefix`` cannot run with this config (None: it can): it needs the fsdp engine's packed
+    attention hook (engines/packed_attention.py), which sdpa / eager without SP run, and one token layout per sample,
+    which routing replay's per-token routes assume."""
+    a = cfg.actor
+    if a.engine != "fsdp":
+        return "it is the fsdp engine's"
+    if not a.use_remove_padding:
+        return "it needs packed micro-batches (actor.use_remove_padding=true)"
+    if a.ulysses_sequence_parallel_size > 1:
+        return "Ulysses SP splits each sequence's tokens (actor.ulysses_sequence_parallel_size=1)"
+    if a.routing_replay != "off":
+        return "routing replay keeps its routes per token of each sample's own sequence (actor.routing_replay=off)"
+    if cfg.model.attn_implementation == "flash_attention_2":
+        return "flash_attention_2 reads the row's blocks as separate sequences (model.attn_implementation=sdpa)"
+    if cfg.trainer.device == "npu":
+        return "the NPU's fused attention (TND) reads the row's blocks as separate sequences"
+    return None
+
+
+def shared_prefix_on(cfg: Config) -> bool:
+    """``actor.shared_prefix`` resolved: on = on (the validator refused what cannot run it); auto = off for now on
+    every backend: 1.30x a float32 CPU update (docs/results/shared-prefix), but not yet run as the
+    default of the whole suite and the end-to-end benchmarks."""
+    return cfg.actor.shared_prefix == "on"
+
+
+@validator
+def _shared_prefix(cfg: Config) -> Iterable[str]:
+    why = shared_prefix_blocks(cfg) if cfg.actor.shared_prefix == "on" else None
+    if why:
+        yield f"config key 'actor.shared_prefix' (on): {why}; set it to auto or off"
 
 
 @validator

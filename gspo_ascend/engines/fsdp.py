@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_ascend.algorithms import count_tokens_and_seqs
-from gspo_ascend.config import Config
+from gspo_ascend.config import Config, shared_prefix_on
 from gspo_ascend.device import Backend
 from gspo_ascend.engines import packed_attention, routing, ulysses
 from gspo_ascend.engines.base import SampleBatch, existing_rank_file
@@ -108,6 +108,7 @@ class FSDPEngine:
         self.routes = self._replay_book()
         if self.routes is not None:  # the old forward's routes come to the host without a wait per micro-batch
             self.routes.wait = backend.synchronize
+        self.shared_prefix = self._shared_prefix()
         a = cfg.actor
         # fused: one kernel over every tensor (CUDA, CPU, and NPU, whose torch_npu registers _fused_adamw_ for
         # PrivateUse1: npu_native_functions_by_codegen.yaml in the 2.7.1 and 2.10 wheels); on CPU 10x foreach's step
@@ -171,6 +172,22 @@ class FSDPEngine:
             model.requires_grad_(False)
             model.eval()
         return model, tied
+
+    def _shared_prefix(self) -> bool:
+        """``actor.shared_prefix`` resolved for this model: on needs the packed attention hook, which a model with
+        sliding-window attention (or an implementation the hook does not wrap) does not take, and a dense model: an
+        MoE model's routing agreement (and replay) is kept per token of each sample's own sequence."""
+        on = shared_prefix_on(self.cfg)
+        why = None
+        if not packed_attention.takes_shared_prefix(self.model):
+            why = f"this model's attention ({self.model.config._attn_implementation}) does not run shared-prefix rows"
+        elif self.routes is not None:
+            why = "an MoE model's routes are kept per token of each sample's own sequence (engines/routing.py)"
+        if on and why is not None:
+            if self.cfg.actor.shared_prefix == "on":
+                raise ConfigError(f"config key 'actor.shared_prefix' (on): {why}; set it to auto")
+            return False
+        return on
 
     def _replay_book(self) -> routing.ReplayBook | None:
         """Routing replay and agreement (engines/routing.py) on an MoE model; refused on a dense one. Under Ulysses
@@ -307,7 +324,7 @@ class FSDPEngine:
         budget = a.max_tokens_per_micro_batch
         if budget is not None and self.sp is not None:  # per device: the group's micro-batch holds SP x as many
             budget *= self.sp.size
-        micros, plan = micro_batches(batch, a.micro_batch_size, budget)
+        micros, plan = micro_batches(batch, a.micro_batch_size, budget, self.shared_prefix)
         # every FSDP forward/backward is a collective: all ranks run the same number of passes
         return micros, plan, int(self._all_reduce([len(micros)], dist.ReduceOp.MAX)[0])
 
@@ -330,7 +347,8 @@ class FSDPEngine:
         """[B, R] log-probs (with ``entropy``: and entropies, a pair), SP or not."""
         if self.sp is not None:
             return ulysses.forward_log_probs(model, batch, temperature, self.sp, self.pad_id, entropy)
-        return forward_log_probs(model, batch, temperature, self.cfg.actor.use_remove_padding, self.pad_id, entropy)
+        packed = self.cfg.actor.use_remove_padding
+        return forward_log_probs(model, batch, temperature, packed, self.pad_id, entropy, self.shared_prefix)
 
     # ------------------------------------------------------------------------------------------- contract
 

@@ -113,7 +113,11 @@ class _Targets:
 
     def add(self, row: int, first_keep: int, resp: list[int]) -> None:
         # the logits at position first_keep + t predict response token t
-        self.keep += range(first_keep, first_keep + len(resp))
+        self.add_at(row, range(first_keep, first_keep + len(resp)), resp)
+
+    def add_at(self, row: int, positions, resp: list[int]) -> None:
+        """The logits at ``positions[t]`` predict response token t."""
+        self.keep += positions
         self.labels += resp
         self.rows += [row] * len(resp)
         self.cols += range(len(resp))
@@ -132,6 +136,55 @@ def packed_row(prompts, responses) -> tuple[list[int], list[int], _Targets]:
     return ids, pos, targets
 
 
+class SharedRow:
+    """A packed row in which samples with the same prompt share one copy of it: the prompt once, then each such
+    sample's response as a block of its own, its positions going on from the prompt's (``actor.shared_prefix``).
+
+    ``blocks`` are the row's block lengths in order; ``prefix_of[b]`` is the index of the prompt block block b
+    attends to before itself (-1: none, a block that is a whole sequence or a shared prompt). A response's first
+    token is predicted from its prompt's last position, which its group shares; its other tokens from its block."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.pos: list[int] = []
+        self.blocks: list[int] = []
+        self.prefix_of: list[int] = []
+        self.targets = _Targets()
+
+    def block(self, ids, start_pos: int, prefix: int = -1) -> int:
+        """Append ``ids`` as a block at positions ``start_pos...``; returns its first index in the row."""
+        first = len(self.ids)
+        self.ids += ids
+        self.pos += range(start_pos, start_pos + len(ids))
+        self.blocks.append(len(ids))
+        self.prefix_of.append(prefix)
+        return first
+
+
+def shared_prefix_row(prompts, responses) -> SharedRow:
+    """The row of :class:`SharedRow` for one micro-batch: samples grouped by prompt (by content, in the order of
+    each prompt's first sample); a prompt only one sample has stays one block with its response, as in
+    :func:`packed_row`. A response of no tokens adds nothing (no target reads it)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_prompt.setdefault(tuple(prompt), []).append(i)
+    row = SharedRow()
+    for prompt, members in by_prompt.items():
+        if len(members) == 1:
+            (i,) = members
+            first = row.block(list(prompt) + responses[i], 0)
+            row.targets.add(i, first + len(prompt) - 1, responses[i])
+            continue
+        row.block(list(prompt), 0)
+        shared, last = len(row.blocks) - 1, len(row.ids) - 1
+        for i in members:
+            resp = responses[i]
+            if resp:
+                first = row.block(resp, len(prompt), prefix=shared)
+                row.targets.add_at(i, [last, *range(first, first + len(resp) - 1)], resp)
+    return row
+
+
 class _Kept:
     """One forward's inputs, the label at each position the LM head runs on (shaped like those positions), and
     how the [n_targets] outputs are picked from the head's output (in the order of ``targets.labels``)."""
@@ -140,10 +193,17 @@ class _Kept:
         self.inputs, self.labels, self.pick, self.targets = inputs, labels, pick, targets
 
 
-def _packed_inputs(model, prompts, responses, device) -> _Kept:
-    """One row holding every sequence; position_ids restart per sequence -> block-diagonal causal mask."""
-    ids, pos, targets = packed_row(prompts, responses)
-    lengths = [len(p) + n for p, n in zip(prompts, map(len, responses), strict=True)]
+def _packed_inputs(model, prompts, responses, device, shared_prefix: bool = False) -> _Kept:
+    """One row holding every sequence; position_ids restart per sequence -> block-diagonal causal mask. With
+    ``shared_prefix`` (a model whose attention takes the blocks: packed_attention.takes_shared_prefix), samples of
+    one prompt share it (:func:`shared_prefix_row`)."""
+    prefix_of = None
+    if shared_prefix and packed_attention.takes_shared_prefix(model):
+        row = shared_prefix_row(prompts, responses)
+        ids, pos, targets, lengths, prefix_of = row.ids, row.pos, row.targets, row.blocks, row.prefix_of
+    else:
+        ids, pos, targets = packed_row(prompts, responses)
+        lengths = [len(p) + n for p, n in zip(prompts, map(len, responses), strict=True)]
     input_ids, position_ids, keep, labels = uploaded(
         device,
         torch.tensor([ids]),
@@ -156,7 +216,7 @@ def _packed_inputs(model, prompts, responses, device) -> _Kept:
         "position_ids": position_ids,
         "use_cache": False,  # a cache (or a 2-D mask) would switch off transformers' packed-sequence mask
         "logits_to_keep": keep,
-        **packed_attention.forward_kwargs(model, lengths),  # the boundaries, on the host (read as lists)
+        **packed_attention.forward_kwargs(model, lengths, prefix_of),  # the boundaries, on the host (read as lists)
     }
     return _Kept(inputs, labels, lambda out: out[0], targets)
 
@@ -208,10 +268,12 @@ def forward_log_probs(
     packed: bool,
     pad_id: int = 0,
     entropy: bool = False,
+    shared_prefix: bool = False,
 ):
     """[B, R] float32 (float64 for a float64 model) log-probs of ``batch.response_ids`` (0 at padding), on
     the model's device; with ``entropy`` also the [B, R] entropies of the same softmax (0 at padding, no gradient),
-    as a pair.
+    as a pair. ``shared_prefix`` (packed only): samples of one prompt share its forward (:func:`shared_prefix_row`)
+    where the model's attention takes it; the same log-probs, fewer tokens.
 
     Where the model's head allows (engines/fused_logprob.py), the LM head itself returns the log-probs, chunked,
     never the [N, V] logits; otherwise the logits at the kept positions go through :func:`token_log_probs`.
@@ -222,7 +284,7 @@ def forward_log_probs(
     responses = [row[:n] for row, n in zip(batch.response_ids.tolist(), lengths, strict=True)]
     device = _model_device(model)
     if packed:
-        kept = _packed_inputs(model, batch.prompt_ids, responses, device)
+        kept = _packed_inputs(model, batch.prompt_ids, responses, device, shared_prefix)
     else:
         kept = _padded_inputs(model, batch.prompt_ids, responses, device, pad_id)
     with packed_attention.packed_forward(model) if packed else contextlib.nullcontext():

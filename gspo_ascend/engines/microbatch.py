@@ -43,18 +43,22 @@ def sample_tokens(batch: SampleBatch) -> list[int]:
 
 
 def plan_micro_batches(
-    batch: SampleBatch, micro_batch_size: int | None = None, max_tokens: int | None = None
+    batch: SampleBatch, micro_batch_size: int | None = None, max_tokens: int | None = None, shared_prefix: bool = False
 ) -> MicroBatchPlan:
     """Split ``batch`` into micro-batches; ``max_tokens`` (a token budget) wins over ``micro_batch_size``.
 
     With a budget, samples are placed longest first into the first micro-batch that still has room
     (first-fit decreasing); a sample longer than the budget gets a micro-batch of its own and is counted
     in ``oversized``. Without one, contiguous chunks of ``micro_batch_size`` samples (the last may be short).
+    ``shared_prefix`` (actor.shared_prefix, budget only): samples of one prompt are placed together, as pieces
+    that cost the prompt once (:func:`prefix_pieces`), so a micro-batch's row is what the budget counts.
     """
     n = len(batch)
     if max_tokens is not None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens per micro-batch must be > 0, got {max_tokens}")
+        if shared_prefix:
+            return _first_fit_pieces(prefix_pieces(batch, max_tokens), max_tokens)
         return _first_fit_decreasing(sample_tokens(batch), max_tokens)
     if micro_batch_size is None or micro_batch_size <= 0:
         raise ValueError(f"micro_batch_size must be > 0 when no token budget is set, got {micro_batch_size}")
@@ -62,33 +66,62 @@ def plan_micro_batches(
 
 
 def _first_fit_decreasing(costs: list[int], budget: int) -> MicroBatchPlan:
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    return _first_fit_pieces([([i], cost) for i, cost in enumerate(costs)], budget)
+
+
+def prefix_pieces(batch: SampleBatch, budget: int) -> list[tuple[list[int], int]]:
+    """The samples of each prompt (by content, in the batch's order) cut into pieces of at most ``budget`` tokens,
+    each costing its prompt once plus its responses (a shared-prefix row's tokens, logprobs.shared_prefix_row): a
+    piece takes the prompt's next sample while it fits. A sample alone costs its prompt + response, as always."""
+    lengths = batch.response_lengths.tolist()
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(batch.prompt_ids):
+        by_prompt.setdefault(tuple(prompt), []).append(i)
+    pieces: list[tuple[list[int], int]] = []
+    for prompt, members in by_prompt.items():
+        piece: list[int] = []
+        cost = len(prompt)
+        for i in members:
+            if piece and cost + int(lengths[i]) > budget:
+                pieces.append((piece, cost))
+                piece, cost = [], len(prompt)
+            piece.append(i)
+            cost += int(lengths[i])
+        pieces.append((piece, cost))
+    return pieces
+
+
+def _first_fit_pieces(pieces: list[tuple[list[int], int]], budget: int) -> MicroBatchPlan:
+    """First-fit decreasing of pieces (sample indices, token cost); a piece over the budget (one sample longer
+    than it) runs alone and is counted in ``oversized``."""
+    order = sorted(range(len(pieces)), key=lambda p: (-pieces[p][1], pieces[p][0][0]))
     groups: list[list[int]] = []
     loads: list[int] = []
     oversized = 0
-    for i in order:
-        if costs[i] > budget:
-            oversized += 1
-            groups.append([i])
+    for p in order:
+        members, cost = pieces[p]
+        if cost > budget:
+            oversized += len(members)
+            groups.append(list(members))
             loads.append(budget)  # full: nothing joins an oversized sample
             continue
-        slot = next((g for g, load in enumerate(loads) if load + costs[i] <= budget), None)
+        slot = next((g for g, load in enumerate(loads) if load + cost <= budget), None)
         if slot is None:
-            groups.append([i])
-            loads.append(costs[i])
+            groups.append(list(members))
+            loads.append(cost)
         else:
-            groups[slot].append(i)
-            loads[slot] += costs[i]
+            groups[slot] += members
+            loads[slot] += cost
     # micro-batches in the order of their first sample, samples ascending: the plan reads like the batch
     groups = sorted((sorted(g) for g in groups), key=lambda g: g[0])
     return MicroBatchPlan(groups, oversized)
 
 
 def micro_batches(
-    batch: SampleBatch, micro_batch_size: int | None = None, max_tokens: int | None = None
+    batch: SampleBatch, micro_batch_size: int | None = None, max_tokens: int | None = None, shared_prefix: bool = False
 ) -> tuple[list[SampleBatch], MicroBatchPlan]:
     """The micro-batches of ``plan_micro_batches`` as SampleBatches, with the plan (to scatter results back)."""
-    plan = plan_micro_batches(batch, micro_batch_size, max_tokens)
+    plan = plan_micro_batches(batch, micro_batch_size, max_tokens, shared_prefix)
     return [batch.select(g) for g in plan.groups], plan
 
 

@@ -99,12 +99,14 @@ def attention_forward(
     attention_mask: torch.Tensor | None,
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
+    shared_prefix_of: tuple[int, ...] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The ``packed_<inner>`` implementation. query [B, H, N, D], key / value [B, KV, N, D] -> ([B, N, H, D], None).
 
     With ``cu_seq_lens_q`` (one packed row, B = 1): the inner implementation on each sequence's tokens, causal; for
-    sdpa on CUDA in half precision one ``varlen_attn`` call over the row instead (the module docstring).
+    sdpa on CUDA in half precision one ``varlen_attn`` call over the row instead (the module docstring). With
+    ``shared_prefix_of`` the row's blocks are a shared-prefix row's (:func:`shared_prefix_forward`).
     """
     inner = inner_of(module.config._attn_implementation)
     fn = inner_function(inner, module)
@@ -118,10 +120,12 @@ def attention_forward(
     bounds = cu_seq_lens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds[:3]}...{bounds[-1:]} does not cover the row of {query.shape[2]}")
-    if inner == "sdpa" and varlen_applies(module, query, kwargs):
-        return varlen_forward(query, key, value, cu_seq_lens_q, bounds, kwargs)
     eager = fn.__name__ == "eager_attention_forward"
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    if shared_prefix_of is not None:
+        return shared_prefix_forward(fn, eager, module, (query, key, value), lengths, shared_prefix_of, kwargs)
+    if inner == "sdpa" and varlen_applies(module, query, kwargs):
+        return varlen_forward(query, key, value, cu_seq_lens_q, bounds, kwargs)
     # split, not one slice per sequence: a slice's backward writes its gradient into a zero tensor of the whole
     # row (sequences x row size of fills and adds per layer, ~15% of a 32-sequence pass); split's is one cat
     outs = []
@@ -129,6 +133,37 @@ def attention_forward(
         mask = _causal_mask(q.shape[2], query) if eager else None  # sdpa: is_causal when no mask
         outs.append(fn(module, q, k, v, mask, **kwargs)[0])
     return torch.cat(outs, dim=1), None
+
+
+def shared_prefix_forward(fn, eager: bool, module, qkv, lengths: list[int], prefix_of, kwargs: dict[str, Any]):
+    """A shared-prefix row (logprobs.shared_prefix_row): block b attends causally to itself after the keys of its
+    prefix block ``prefix_of[b]`` (-1: none). One call of the inner implementation per block, as the per-sequence
+    loop: the same softmax over the same keys as each sample's own sequence, and the prefix's keys and values get
+    the gradient of every block reading them. Always this loop (also where the plain row would take varlen_attn:
+    its causal is one window per sequence, with no shared keys)."""
+    if len(prefix_of) != len(lengths):
+        raise ValueError(f"shared_prefix_of has {len(prefix_of)} blocks, the boundaries {len(lengths)}")
+    query = qkv[0]
+    qs, ks, vs = (t.split(lengths, dim=2) for t in qkv)
+    outs = []
+    for q, k, v, p in zip(qs, ks, vs, prefix_of, strict=True):
+        if p < 0:
+            mask = _causal_mask(q.shape[2], query) if eager else None  # sdpa: is_causal when no mask
+        else:
+            k, v = torch.cat((ks[p], k), dim=2), torch.cat((vs[p], v), dim=2)
+            mask = _lower_right_causal(q.shape[2], k.shape[2], query, additive=eager)
+        outs.append(fn(module, q, k, v, mask, **kwargs)[0])
+    return torch.cat(outs, dim=1), None
+
+
+def _lower_right_causal(n_q: int, n_k: int, like: torch.Tensor, additive: bool) -> torch.Tensor:
+    """[1, 1, n_q, n_k]: query i (the last n_q of n_k positions) sees keys up to its own position n_k - n_q + i;
+    additive (eager's scores) or boolean, True = attend (sdpa's; transformers then passes no is_causal)."""
+    keep = torch.ones((n_q, n_k), dtype=torch.bool, device=like.device).tril(n_k - n_q)
+    if not additive:
+        return keep[None, None]
+    zeros = torch.zeros((n_q, n_k), dtype=like.dtype, device=like.device)
+    return zeros.masked_fill(~keep, torch.finfo(like.dtype).min)[None, None]
 
 
 @functools.cache
@@ -221,19 +256,31 @@ def takes_boundaries(model: torch.nn.Module) -> bool:
     return is_enabled(model) or getattr(model.config, "_attn_implementation", None) in HOST_BOUNDARIES
 
 
-def forward_kwargs(model: torch.nn.Module, lengths: list[int]) -> dict[str, Any]:
+def takes_shared_prefix(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention runs a shared-prefix row (:func:`shared_prefix_forward`): only this module's
+    hook; flash_attention_2 and the NPU's TND kernel would read the blocks as independent sequences."""
+    return is_enabled(model)
+
+
+def forward_kwargs(model: torch.nn.Module, lengths: list[int], prefix_of: list[int] | None = None) -> dict[str, Any]:
     """Keywords of a packed forward of sequences of ``lengths`` tokens (in row order) for a model whose attention
     takes the boundaries (:func:`enable` routed it, or it is in ``HOST_BOUNDARIES``); run the forward inside
     :func:`packed_forward` (with the model), so transformers builds no [N, N] mask. {} otherwise (the model then
     derives the block-diagonal mask from the restarting positions, as before).
 
     The boundaries stay on the host whatever the model's device: only the attention reads them, as a list, in every
-    layer; on a device that read would wait for the device each time."""
+    layer; on a device that read would wait for the device each time. ``prefix_of``: the lengths are the blocks of a
+    shared-prefix row (logprobs.shared_prefix_row), for a model that :func:`takes_shared_prefix` only."""
+    if prefix_of is not None and not takes_shared_prefix(model):
+        raise ValueError("a shared-prefix row needs the packed attention hook (packed_attention.enable)")
     if not takes_boundaries(model):
         return {}
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     longest = max(lengths, default=0)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    if prefix_of is not None:
+        out["shared_prefix_of"] = tuple(prefix_of)
+    return out
 
 
 @contextlib.contextmanager

@@ -93,7 +93,18 @@ def test_synthetic_batch_is_skewed_and_in_range(bench):
 
 
 def sizes(steps: int = 2, seed: int = 5) -> argparse.Namespace:
-    return argparse.Namespace(samples=16, prompt_length=4, max_response_length=96, seed=seed, steps=steps)
+    return argparse.Namespace(samples=16, prompt_length=4, max_response_length=96, seed=seed, steps=steps, group_size=1)
+
+
+def test_grouped_batches_and_the_tokens_a_shared_prefix_computes(bench):
+    """--group-size 4: each prompt answered by 4 consecutive samples; with actor.shared_prefix the computed tokens
+    are each micro-batch's shared-prefix row: the prompt once per micro-batch it is in, then the answers."""
+    batch = bench.synthetic_batch(8, 5, 20, 512, seed=1, group=4)
+    prompts = batch.prompt_ids
+    assert prompts[0] == prompts[3] and prompts[4] == prompts[7] and prompts[0] != prompts[4]
+    answers = int(batch.response_lengths.sum())
+    assert bench.processed_tokens(batch, False, 10_000) == (8 * 5 + answers, 1)
+    assert bench.processed_tokens(batch, False, 10_000, shared=True) == (2 * 5 + answers, 1)
 
 
 def test_every_update_draws_a_fresh_batch_of_the_same_distribution(bench):

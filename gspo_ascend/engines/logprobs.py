@@ -32,6 +32,7 @@ import torch
 from gspo_ascend.device import upload
 from gspo_ascend.engines import fused_logprob, packed_attention
 from gspo_ascend.engines.base import SampleBatch
+from gspo_ascend.engines.microbatch import samples_by_prompt
 
 # rows upcast per step: [1024, V] float32 is ~0.6 GiB at Qwen's V = 152k (without grad only one chunk lives at a
 # time; with grad autograd keeps what logsumexp's backward needs, as a fused log_softmax would)
@@ -77,6 +78,11 @@ def response_lengths(batch: SampleBatch) -> list[int]:
     if any(len(p) == 0 for p in batch.prompt_ids):
         raise ValueError("every sample needs a non-empty prompt: the first response token is predicted from it")
     return lengths.tolist()
+
+
+def response_tokens(batch: SampleBatch) -> list[list[int]]:
+    """Each sample's response token ids without padding (checked right-padded by :func:`response_lengths`)."""
+    return [row[:n] for row, n in zip(batch.response_ids.tolist(), response_lengths(batch), strict=True)]
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -165,11 +171,8 @@ def shared_prefix_row(prompts, responses) -> SharedRow:
     """The row of :class:`SharedRow` for one micro-batch: samples grouped by prompt (by content, in the order of
     each prompt's first sample); a prompt only one sample has stays one block with its response, as in
     :func:`packed_row`. A response of no tokens adds nothing (no target reads it)."""
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        by_prompt.setdefault(tuple(prompt), []).append(i)
     row = SharedRow()
-    for prompt, members in by_prompt.items():
+    for prompt, members in samples_by_prompt(prompts).items():
         if len(members) == 1:
             (i,) = members
             first = row.block(list(prompt) + responses[i], 0)
@@ -280,8 +283,7 @@ def forward_log_probs(
     Always runs exactly one forward, even when no sample has a response token (then the result is 0 but
     still connected to the graph), because under FSDP every rank must take part in every forward/backward.
     """
-    lengths = response_lengths(batch)
-    responses = [row[:n] for row, n in zip(batch.response_ids.tolist(), lengths, strict=True)]
+    responses = response_tokens(batch)
     device = _model_device(model)
     if packed:
         kept = _packed_inputs(model, batch.prompt_ids, responses, device, shared_prefix)

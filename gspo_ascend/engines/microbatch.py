@@ -69,16 +69,22 @@ def _first_fit_decreasing(costs: list[int], budget: int) -> MicroBatchPlan:
     return _first_fit_pieces([([i], cost) for i, cost in enumerate(costs)], budget)
 
 
+def samples_by_prompt(prompts) -> dict[tuple[int, ...], list[int]]:
+    """Sample indices per distinct prompt (by content), prompts in the order of their first sample: the samples a
+    shared-prefix row (logprobs.shared_prefix_row) and the budget planner's pieces put together."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(i)
+    return groups
+
+
 def prefix_pieces(batch: SampleBatch, budget: int) -> list[tuple[list[int], int]]:
     """The samples of each prompt (by content, in the batch's order) cut into pieces of at most ``budget`` tokens,
     each costing its prompt once plus its responses (a shared-prefix row's tokens, logprobs.shared_prefix_row): a
     piece takes the prompt's next sample while it fits. A sample alone costs its prompt + response, as always."""
     lengths = batch.response_lengths.tolist()
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for i, prompt in enumerate(batch.prompt_ids):
-        by_prompt.setdefault(tuple(prompt), []).append(i)
     pieces: list[tuple[list[int], int]] = []
-    for prompt, members in by_prompt.items():
+    for prompt, members in samples_by_prompt(batch.prompt_ids).items():
         piece: list[int] = []
         cost = len(prompt)
         for i in members:

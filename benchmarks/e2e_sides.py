@@ -103,21 +103,36 @@ class Channel:
 # ----------------------------------------------------------------------------------------------- our side
 
 
-def padding_of_update(batch, cfg) -> tuple[int, int]:
+def padding_of_update(batch, cfg, shared: bool = False) -> tuple[int, int]:
     """(tokens the update's forward/backward passes process, real tokens among them) for one data-parallel rank:
-    the engine's micro-batch plan per minibatch; a packed pass is one row of its samples (no padding), a padded
-    pass is ``samples x longest sample`` (engines/logprobs.py's two layouts)."""
-    from gspo_ascend.engines.microbatch import plan_micro_batches, sample_tokens
+    the engine's micro-batch plan per minibatch; a packed pass is one row of its samples (no padding), or with
+    ``shared`` (actor.shared_prefix as the engine resolves it, :func:`shares_prefix`) its shared-prefix row (each
+    prompt once), a padded pass is ``samples x longest sample`` (engines/logprobs.py's layouts)."""
+    from gspo_ascend.engines.microbatch import plan_micro_batches, sample_tokens, shared_row_tokens
 
     a = cfg.actor
     processed = real = 0
     for minibatch in batch.split(cfg.algorithm.minibatches_per_rollout):
         tokens = sample_tokens(minibatch)
-        for group in plan_micro_batches(minibatch, a.micro_batch_size, a.max_tokens_per_micro_batch).groups:
+        plan = plan_micro_batches(minibatch, a.micro_batch_size, a.max_tokens_per_micro_batch, shared)
+        for group in plan.groups:
             sizes = [tokens[i] for i in group]
             real += sum(sizes)
-            processed += sum(sizes) if a.use_remove_padding else len(sizes) * max(sizes)
+            if shared:
+                processed += shared_row_tokens(minibatch.select(group))
+            else:
+                processed += sum(sizes) if a.use_remove_padding else len(sizes) * max(sizes)
     return processed, real
+
+
+def shares_prefix(cfg) -> bool:
+    """actor.shared_prefix resolved as the fsdp engine does for a dense model on the config's device (the
+    benchmark's models are dense; the engine also turns auto off for an MoE one)."""
+    from gspo_ascend.config import shared_prefix_on
+    from gspo_ascend.device import get_backend
+
+    on_cpu = get_backend(cfg.trainer.device).name == "cpu"
+    return cfg.actor.engine == "fsdp" and shared_prefix_on(cfg, on_cpu)
 
 
 class OurProbe:
@@ -148,7 +163,7 @@ def our_step_report(metrics: dict[str, float], probe: OurProbe, cfg) -> dict[str
     stages = {k[5:-2]: v for k, v in metrics.items() if k.startswith("time/") and k not in outside}
     stages["old_log_prob"] -= probe.probe_s
     stages["generate"] = stages.pop("rollout")
-    processed, real = padding_of_update(probe.batch, cfg)
+    processed, real = padding_of_update(probe.batch, cfg, shares_prefix(cfg))
     return {
         "step_s": step_s,
         "tokens": metrics["perf/tokens_per_s"] * metrics["time/step_s"],

@@ -50,8 +50,16 @@ class SideResult:
         return sum(self.tokens[1:]) / sum(self.step_s[1:]) if self.steps >= 2 else math.nan
 
     def padded_share(self) -> float:
+        """Share of the tokens the training passes computed that were padding; 0 for packed rows, also where a
+        shared prompt made them compute fewer tokens than the samples hold (:meth:`computed_per_real`)."""
         processed = sum(self.processed_tokens[1:])
-        return 1.0 - sum(self.real_tokens[1:]) / processed if processed else math.nan
+        return max(0.0, 1.0 - sum(self.real_tokens[1:]) / processed) if processed else math.nan
+
+    def computed_per_real(self) -> float:
+        """Tokens the training passes computed per token the samples hold: > 1 padded, 1 packed, < 1 with each
+        prompt computed once for its samples (actor.shared_prefix)."""
+        real = sum(self.real_tokens[1:])
+        return sum(self.processed_tokens[1:]) / real if real else math.nan
 
     def to_dict(self) -> dict:
         return {
@@ -67,6 +75,7 @@ class SideResult:
             "best_step_s": self.best_step_s(),
             "tokens_per_s": self.tokens_per_s(),
             "padded_token_share": self.padded_share(),
+            "computed_per_real_token": self.computed_per_real(),
             "peak_rss_mib": self.peak_rss_mib,
             "extra": self.extra,
             "error": self.error,

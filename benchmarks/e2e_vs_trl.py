@@ -468,6 +468,7 @@ def table_rows(results: list[SideResult], trl_best: SideResult | None) -> list[t
     rows += [(f"  {stage} (s)", _cells(results, lambda r, s=stage: r.stages_s[s])) for stage in STAGES]
     rows += [
         ("padded share, training passes", _cells(results, SideResult.padded_share, "{:.1%}")),
+        ("tokens computed / held, training passes", _cells(results, SideResult.computed_per_real, "{:.2f}")),
         ("peak RSS (MiB)", _cells(results, lambda r: r.peak_rss_mib, "{:.0f}")),
         ("response tokens, mean", _cells(results, lambda r: statistics.fmean(r.response_length_mean), "{:.1f}")),
         ("prompt tokens, mean", _cells(results, lambda r: r.prompt_length_mean, "{:.1f}")),

@@ -318,14 +318,12 @@ def model_flops(spec, lengths: list[int]) -> dict[str, float]:
 def processed_tokens(batch, padded: bool, budget: int, shared: bool = False) -> tuple[int, int]:
     """(tokens the passes compute, micro-batches): the engines' own plan; padded, each micro-batch to its longest;
     ``shared`` (actor.shared_prefix ran), each micro-batch's shared-prefix row."""
-    from gspo_ascend.engines.logprobs import response_tokens, shared_prefix_row
-    from gspo_ascend.engines.microbatch import plan_micro_batches, sample_tokens
+    from gspo_ascend.engines.microbatch import plan_micro_batches, sample_tokens, shared_row_tokens
 
     plan = plan_micro_batches(batch, max_tokens=budget, shared_prefix=shared)
     sizes = sample_tokens(batch)
     if shared:
-        rows = [batch.select(g) for g in plan.groups]
-        return sum(len(shared_prefix_row(m.prompt_ids, response_tokens(m)).ids) for m in rows), len(plan)
+        return sum(shared_row_tokens(batch.select(g)) for g in plan.groups), len(plan)
     if not padded:  # packed rows: exactly the samples' tokens
         return sum(sizes), len(plan)
     return sum(len(g) * max(sizes[i] for i in g) for g in plan.groups), len(plan)

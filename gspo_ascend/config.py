@@ -114,7 +114,7 @@ class ActorConfig:
     compile_layers: Literal["auto", "on", "off"] = "auto"
     # fsdp engine, packed: samples of one prompt (a group's n) share one forward of it in each micro-batch, the same
     # log-probs and gradients from fewer tokens (engines/logprobs.py shared_prefix_row); needs the packed attention
-    # hook (sdpa / eager), a dense model, no SP; auto = off for now (shared_prefix_on)
+    # hook (sdpa / eager), a dense model, no SP; auto = on on the CPU backend only (shared_prefix_on)
     shared_prefix: Literal["auto", "on", "off"] = "auto"
     # MoE routing replay (engines/routing.py, docs/engines.md): r2 = the experts the old-log-prob forward chose are
     # replayed in the update's forwards (the GSPO paper's Routing Replay); r3 = the rollout engine's experts are
@@ -628,11 +628,16 @@ def shared_prefix_blocks(cfg: Config) -> str | None:
     return None
 
 
-def shared_prefix_on(cfg: Config) -> bool:
-    """``actor.shared_prefix`` resolved: on = on (the validator refused what cannot run it); auto = off for now on
-    every backend: 1.30x a float32 CPU update (docs/results/shared-prefix), but not yet run as the
-    default of the whole suite and the end-to-end benchmarks."""
-    return cfg.actor.shared_prefix == "on"
+def shared_prefix_on(cfg: Config, on_cpu: bool) -> bool:
+    """``actor.shared_prefix`` resolved: on = on (the validator refused what cannot run it); auto = on where the
+    engine runs on the CPU backend (not the emulated NPU: that is the NPU's path) and nothing in the config blocks
+    it (:func:`shared_prefix_blocks`): 1.30x a float32 CPU update (docs/results/shared-prefix). Off on a GPU, where
+    the plain row takes one varlen_attn call and a shared row would run per block (engines/packed_attention.py);
+    the engine also resolves auto off for a model the hook does not take or an MoE model (engines/fsdp.py)."""
+    mode = cfg.actor.shared_prefix
+    if mode == "auto":
+        return on_cpu and shared_prefix_blocks(cfg) is None
+    return mode == "on"
 
 
 @validator

@@ -174,19 +174,20 @@ class FSDPEngine:
         return model, tied
 
     def _shared_prefix(self) -> bool:
-        """``actor.shared_prefix`` resolved for this model: on needs the packed attention hook, which a model with
+        """``actor.shared_prefix`` resolved for this model: it needs the packed attention hook, which a model with
         sliding-window attention (or an implementation the hook does not wrap) does not take, and a dense model: an
-        MoE model's routing agreement (and replay) is kept per token of each sample's own sequence."""
-        if not shared_prefix_on(self.cfg):
+        MoE model's routing agreement (and replay) is kept per token of each sample's own sequence. auto is off
+        there; on is refused in one line."""
+        if not shared_prefix_on(self.cfg, on_cpu=self.backend.name == "cpu"):
             return False
         why = None
         if not packed_attention.takes_shared_prefix(self.model):
             why = f"this model's attention ({self.model.config._attn_implementation}) does not run shared-prefix rows"
         elif self.routes is not None:
             why = "an MoE model's routes are kept per token of each sample's own sequence (engines/routing.py)"
-        if why is not None:  # on only resolves from on itself (config.shared_prefix_on): said, not dropped
+        if why is not None and self.cfg.actor.shared_prefix == "on":  # said, not dropped
             raise ConfigError(f"config key 'actor.shared_prefix' (on): {why}; set it to auto")
-        return True
+        return why is None
 
     def _replay_book(self) -> routing.ReplayBook | None:
         """Routing replay and agreement (engines/routing.py) on an MoE model; refused on a dense one. Under Ulysses

@@ -78,6 +78,13 @@ def samples_by_prompt(prompts) -> dict[tuple[int, ...], list[int]]:
     return groups
 
 
+def shared_row_tokens(batch: SampleBatch) -> int:
+    """Tokens of ``batch``'s shared-prefix row (logprobs.shared_prefix_row): each distinct prompt once, every
+    response. A prompt with one sample costs its tokens, as a plain row's."""
+    prompts = samples_by_prompt(batch.prompt_ids)
+    return sum(len(p) for p in prompts) + int(batch.response_lengths.sum())
+
+
 def prefix_pieces(batch: SampleBatch, budget: int) -> list[tuple[list[int], int]]:
     """The samples of each prompt (by content, in the batch's order) cut into pieces of at most ``budget`` tokens,
     each costing its prompt once plus its responses (a shared-prefix row's tokens, logprobs.shared_prefix_row): a

@@ -99,7 +99,7 @@ def attention_forward(
     attention_mask: torch.Tensor | None,
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
-    shared_prefix_of: tuple[int, ...] | None = None,
+    shared_prefix_of: SharedBlocks | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The ``packed_<inner>`` implementation. query [B, H, N, D], key / value [B, KV, N, D] -> ([B, N, H, D], None).
@@ -135,25 +135,46 @@ def attention_forward(
     return torch.cat(outs, dim=1), None
 
 
-def shared_prefix_forward(fn, eager: bool, module, qkv, lengths: list[int], prefix_of, kwargs: dict[str, Any]):
+def shared_prefix_forward(fn, eager: bool, module, qkv, lengths: list[int], blocks, kwargs: dict[str, Any]):
     """A shared-prefix row (logprobs.shared_prefix_row): block b attends causally to itself after the keys of its
-    prefix block ``prefix_of[b]`` (-1: none). One call of the inner implementation per block, as the per-sequence
-    loop: the same softmax over the same keys as each sample's own sequence, and the prefix's keys and values get
-    the gradient of every block reading them. Always this loop (also where the plain row would take varlen_attn:
-    its causal is one window per sequence, with no shared keys)."""
-    if len(prefix_of) != len(lengths):
-        raise ValueError(f"shared_prefix_of has {len(prefix_of)} blocks, the boundaries {len(lengths)}")
+    prefix block ``blocks.prefix_of[b]`` (-1: none; ``blocks`` a :class:`SharedBlocks`). One call of the inner
+    implementation per block, as the per-sequence loop: the same softmax over the same keys as each sample's own
+    sequence, and the prefix's keys and values get the gradient of every block reading them. Always this loop
+    (also where the plain row would take varlen_attn: its causal is one window per sequence, with no shared
+    keys)."""
+    if len(blocks) != len(lengths):
+        raise ValueError(f"shared_prefix_of has {len(blocks)} blocks, the boundaries {len(lengths)}")
     query = qkv[0]
     qs, ks, vs = (t.split(lengths, dim=2) for t in qkv)
     outs = []
-    for q, k, v, p in zip(qs, ks, vs, prefix_of, strict=True):
-        if p < 0:
-            mask = _causal_mask(q.shape[2], query) if eager else None  # sdpa: is_causal when no mask
+    for q, k, v, p in zip(qs, ks, vs, blocks.prefix_of, strict=True):
+        if p < 0:  # sdpa: is_causal when no mask; eager's causal mask is the lower-right one of a square
+            mask = blocks.mask(q.shape[2], q.shape[2], query, additive=True) if eager else None
         else:
             k, v = torch.cat((ks[p], k), dim=2), torch.cat((vs[p], v), dim=2)
-            mask = _lower_right_causal(q.shape[2], k.shape[2], query, additive=eager)
+            mask = blocks.mask(q.shape[2], k.shape[2], query, additive=eager)
         outs.append(fn(module, q, k, v, mask, **kwargs)[0])
     return torch.cat(outs, dim=1), None
+
+
+class SharedBlocks:
+    """A shared-prefix row's blocks for one forward (:func:`forward_kwargs`): ``prefix_of[b]`` is the prefix block
+    block ``b`` attends to (-1: none), and the masks of its block shapes, built once and read by every layer (and
+    by its recompute under gradient checkpointing): each layer's sdpa keeps its mask for backward, so one copy per
+    forward also saves that memory. It lives as long as the forward's keywords and saved tensors, no longer."""
+
+    def __init__(self, prefix_of) -> None:
+        self.prefix_of = tuple(int(p) for p in prefix_of)
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.prefix_of)
+
+    def mask(self, n_q: int, n_k: int, like: torch.Tensor, additive: bool) -> torch.Tensor:
+        key = (n_q, n_k, like.dtype, like.device, additive)
+        if key not in self._masks:
+            self._masks[key] = _lower_right_causal(n_q, n_k, like, additive)
+        return self._masks[key]
 
 
 def _lower_right_causal(n_q: int, n_k: int, like: torch.Tensor, additive: bool) -> torch.Tensor:
@@ -279,7 +300,7 @@ def forward_kwargs(model: torch.nn.Module, lengths: list[int], prefix_of: list[i
     longest = max(lengths, default=0)
     out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     if prefix_of is not None:
-        out["shared_prefix_of"] = tuple(prefix_of)
+        out["shared_prefix_of"] = SharedBlocks(prefix_of)
     return out
 
 

@@ -41,6 +41,9 @@ def test_summary_excludes_the_warm_up_step(bench):
     assert side.median_step_s() == 3.0  # median of 2, 4, 3
     assert side.tokens_per_s() == pytest.approx(90.0 / 9.0)
     assert side.padded_share() == pytest.approx(1 - 380.0 / 400.0)
+    assert side.computed_per_real() == pytest.approx(400.0 / 380.0)
+    side.processed_tokens = [50.0, 80.0, 80.0, 160.0]  # a shared prompt: fewer computed than held, no padding
+    assert side.padded_share() == 0.0 and side.computed_per_real() == pytest.approx(320.0 / 380.0)
     assert not bench.SideResult("y", step_s=[1.0, 1.0], error="boom").ok
 
 
@@ -61,6 +64,9 @@ def test_padding_of_the_update_passes_by_hand(sides):
     assert sides.padding_of_update(batch, cfg) == (2 * (9 + 5 + 7 + 8), 40)
     cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch = None, 8  # budget: 9 alone, 1 alone, ...
     assert sides.padding_of_update(batch, cfg) == (9 + 1 + 2 * 5 + 7 + 3 + 8 + 4, 40)
+    # shared prefix, packed pairs: only the second pair's two prompts are one ([7, 7]): computed once, 2 fewer
+    cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch, cfg.actor.use_remove_padding = 2, None, True
+    assert sides.padding_of_update(batch, cfg, shared=True) == (40 - 2, 40)
 
 
 def test_our_step_report_takes_the_probe_out_of_the_step(sides):
@@ -79,16 +85,18 @@ def test_our_step_report_takes_the_probe_out_of_the_step(sides):
         "response/length_max": 6.0,
         "prompt/length_mean": 2.0,
     }
-    cfg = SimpleNamespace(
-        actor=SimpleNamespace(micro_batch_size=4, max_tokens_per_micro_batch=None, use_remove_padding=True),
-        algorithm=SimpleNamespace(minibatches_per_rollout=1),
-    )
-    report = sides.our_step_report(metrics, probe, cfg)
+    from gspo_ascend.config import load_config
+
+    base = ["actor.micro_batch_size=4", "algorithm.minibatches_per_rollout=1", "trainer.device=cpu"]
+    report = sides.our_step_report(metrics, probe, load_config(overrides=[*base, "actor.shared_prefix=off"]))
     assert report["step_s"] == pytest.approx(9.5) and report["tokens"] == pytest.approx(25.0)
     assert report["stages"] == pytest.approx(
         {"generate": 4.0, "reward": 0.1, "old_log_prob": 0.1, "update": 5.0, "sync": 0.3}
     )
     assert (report["processed_tokens"], report["real_tokens"]) == (18, 18)  # 9 + 1 + 3 + 5
+    # auto on the CPU: the engine shares the two [7, 7] prompts' forward, and the report counts that row
+    report = sides.our_step_report(metrics, probe, load_config(overrides=base))
+    assert (report["processed_tokens"], report["real_tokens"]) == (16, 18)
     assert report["recompute_probe_s"] == 0.5 and report["engine_logprob_gap_max"] == 1e-6
 
 

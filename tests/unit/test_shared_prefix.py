@@ -12,7 +12,7 @@ import torch
 
 from gspo_ascend.engines import packed_attention
 from gspo_ascend.engines.base import SampleBatch
-from gspo_ascend.engines.logprobs import forward_log_probs, shared_prefix_row
+from gspo_ascend.engines.logprobs import forward_log_probs, response_tokens, shared_prefix_row
 from gspo_ascend.errors import ConfigError
 from tests.unit.fsdp_worker import engine_config, make_batch, reference_log_probs
 
@@ -106,6 +106,40 @@ def test_shared_prefix_log_probs_and_gradients_equal_one_forward_per_sample(mode
         assert (ours[name].grad - p.grad).abs().max() <= tol * max(1.0, p.grad.abs().max().item()), name
 
 
+def test_gradient_checkpointing_recomputes_the_same_row_and_builds_each_mask_once(
+    model_path, float64_norms, monkeypatch
+):
+    """With the engine's gradient checkpointing (non-reentrant: each layer's forward runs again in backward) the
+    shared row gives the per-sample forwards' gradients; every layer and every recompute reads the forward's one
+    mask per block shape (packed_attention.SharedBlocks): A's 3 answers and B's 3 are 6 blocks of <= 6 shapes."""
+    batch = grouped_batch()
+    model, reference = load(model_path), load(model_path)
+    packed_attention.enable(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # checkpointing runs only in training mode; the tiny Qwen3 has no dropout
+    built: list[tuple[int, int]] = []
+    original = packed_attention._lower_right_causal
+
+    def counted(n_q, n_k, like, additive):
+        built.append((n_q, n_k))
+        return original(n_q, n_k, like, additive)
+
+    monkeypatch.setattr(packed_attention, "_lower_right_causal", counted)
+    got = forward_log_probs(model, batch, 0.7, packed=True, shared_prefix=True)
+    want = reference_log_probs(reference, batch, 0.7)
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=got.dtype)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert (got - want).abs().max() <= 1e-12
+    ours = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        assert (ours[name].grad - p.grad).abs().max() <= 1e-12 * max(1.0, p.grad.abs().max().item()), name
+    row = shared_prefix_row(batch.prompt_ids, response_tokens(batch))
+    prefixed = [(n, row.blocks[p] + n) for n, p in zip(row.blocks, row.prefix_of, strict=True) if p >= 0]
+    assert model.config.num_hidden_layers > 1 and len(prefixed) == 6
+    assert sorted(built) == sorted(set(prefixed))  # once per shape, not per layer, block or recompute
+
+
 def test_a_leak_between_answers_would_show(model_path, float64_norms, monkeypatch):
     """The test above can fail: answers of one prompt attending to each other (no prefix blocks, one causal
     sequence per group) moves the log-probs by O(0.1)."""
@@ -115,14 +149,14 @@ def test_a_leak_between_answers_would_show(model_path, float64_norms, monkeypatc
     want = reference_log_probs(load(model_path), batch, 0.7)
     original = packed_attention.shared_prefix_forward
 
-    def one_sequence_per_group(fn, eager, module, qkv, lengths, prefix_of, kwargs):
+    def one_sequence_per_group(fn, eager, module, qkv, lengths, blocks, kwargs):
         merged: list[int] = []  # a response block follows its prompt's block or another of its answers
-        for n, p in zip(lengths, prefix_of, strict=True):
+        for n, p in zip(lengths, blocks.prefix_of, strict=True):
             if p >= 0:
                 merged[-1] += n
             else:
                 merged.append(n)
-        return original(fn, eager, module, qkv, merged, [-1] * len(merged), kwargs)
+        return original(fn, eager, module, qkv, merged, packed_attention.SharedBlocks([-1] * len(merged)), kwargs)
 
     monkeypatch.setattr(packed_attention, "shared_prefix_forward", one_sequence_per_group)
     with torch.no_grad():
@@ -189,19 +223,23 @@ def test_on_is_refused_where_it_cannot_run_and_auto_is_off_there(overrides, why)
         cfg = load_config(overrides=overrides)
     except ConfigError:  # refused for a reason of its own (e.g. routing replay wants an MoE model elsewhere)
         return
-    assert not shared_prefix_on(cfg)
+    assert not shared_prefix_on(cfg, on_cpu=True)
 
 
-def test_auto_is_off_and_an_moe_model_refuses_on(model_path):
+def test_auto_is_on_on_the_host_only_and_off_for_an_moe_model_which_refuses_on(model_path):
     from gspo_ascend.config import load_config, shared_prefix_on
     from gspo_ascend.device import get_backend
     from gspo_ascend.engines.fsdp import FSDPEngine
     from gspo_ascend.tiny import ensure_tiny_model
 
-    assert not shared_prefix_on(load_config(overrides=[])) and shared_prefix_on(load_config(overrides=OVERRIDE_ON))
-    cfg = engine_config("data.train_batch_size=8", "algorithm.minibatches_per_rollout=1", *OVERRIDE_ON)
+    auto, on, off = (load_config(overrides=o) for o in ([], OVERRIDE_ON, ["actor.shared_prefix=off"]))
+    assert shared_prefix_on(auto, on_cpu=True) and not shared_prefix_on(auto, on_cpu=False)
+    assert shared_prefix_on(on, on_cpu=False) and not shared_prefix_on(off, on_cpu=True)
+    moe = str(ensure_tiny_model(moe=True))
+    base = ("data.train_batch_size=8", "algorithm.minibatches_per_rollout=1")
+    assert FSDPEngine(engine_config(*base), get_backend("cpu"), moe).shared_prefix is False  # auto: off, silently
     with pytest.raises(ConfigError, match="actor.shared_prefix.*MoE"):
-        FSDPEngine(cfg, get_backend("cpu"), str(ensure_tiny_model(moe=True)))
+        FSDPEngine(engine_config(*base, *OVERRIDE_ON), get_backend("cpu"), moe)
 
 
 OVERRIDE_ON = ["actor.shared_prefix=on"]

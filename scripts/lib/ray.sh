@@ -22,10 +22,19 @@ JOB_ID=""           # submission id of the job this launcher submitted and that 
 
 ray_cli() { "$RAY_BIN" "$@"; }
 
-ray_answers() { ray_cli status --address="$1" >/dev/null 2>&1; }
+# Whether anything accepts a TCP connection at host:port ($1), in at most 2 s. `ray status` against an address
+# where nothing listens retries for ~40 s before it gives up (Ray 2.60 on the CI box): probing the port first
+# makes "no cluster yet" (every fresh launch) and "GCS not up yet" (the first polls after `ray start`) instant.
+port_listens() {
+  local host=${1%:*} port=${1##*:}
+  timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$host" "$port" 2>/dev/null
+}
+
+ray_answers() { port_listens "$1" && ray_cli status --address="$1" >/dev/null 2>&1; }
 
 # "<alive nodes> <total of resource $2>" parsed from `ray status` (the GCS answers it without the dashboard).
 ray_nodes_and_devices() {
+  port_listens "$1" || { echo "0 0"; return 0; }
   ray_cli status --address="$1" 2>/dev/null | awk -v res="$2" '
     /^Active:/ { active = 1; next }
     /^(Pending|Recent failures):/ { active = 0 }

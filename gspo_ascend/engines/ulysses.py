@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from gspo_ascend.engines import packed_attention
 from gspo_ascend.engines.base import SampleBatch
-from gspo_ascend.engines.logprobs import _scatter, head_log_probs, packed_row, response_lengths, uploaded
+from gspo_ascend.engines.logprobs import _scatter, head_log_probs, packed_row, response_tokens, uploaded
 from gspo_ascend.engines.megatron_cp import sum_over_cp
 
 KEY = "actor.ulysses_sequence_parallel_size"
@@ -239,8 +239,8 @@ def forward_log_probs(
     described in the module docstring; one forward per call, connected to the graph even when this rank's slice
     predicts no response token (every rank of the group must run every backward: the all-to-alls are collectives).
     With ``entropy`` also the [B, R] entropies (no gradient), as a pair (logprobs.forward_log_probs)."""
-    lengths = response_lengths(batch)
-    responses = [row[:n] for row, n in zip(batch.response_ids.tolist(), lengths, strict=True)]
+    responses = response_tokens(batch)
+    lengths = [len(r) for r in responses]
     ids, pos, targets = packed_row(batch.prompt_ids, responses)
     first, end, padding = _slice(len(ids), sp)
     ends = torch.tensor([len(p) + n for p, n in zip(batch.prompt_ids, lengths, strict=True)]).cumsum(0).tolist()

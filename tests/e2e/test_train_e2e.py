@@ -29,8 +29,16 @@ pytestmark = pytest.mark.slow
 TIMING_PREFIXES = ("time/", "perf/", "sync/time_s")
 
 
+# One torch thread per actor in every run through train_cmd (a test's own override comes later and wins). The default
+# (the node's CPUs / the run's actors: 2 for a one-actor run here; tests/unit/test_placement.py holds it) spins a
+# second OpenMP thread against the other pytest worker's process on CI's 2 cores: a 4-step tiny run took 26-28 s
+# beside a one-core busy loop with 2 threads, 24-25 s with 1, and the loop beside it ran 10-13% faster (2026-12-03).
+# It also makes a one-actor run and a two-pool run (one thread per actor) compare bitwise on any CPU (issue #40).
+ONE_THREAD = "trainer.cpu_threads=1"
+
+
 def train_cmd(out: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "gspo_ascend.cli", "train", f"trainer.output_dir={out}", *overrides]
+    return [sys.executable, "-m", "gspo_ascend.cli", "train", f"trainer.output_dir={out}", ONE_THREAD, *overrides]
 
 
 def read_metrics(out: Path) -> list[dict]:

@@ -124,11 +124,10 @@ def test_the_staleness_bound_holds_under_random_simulated_latencies(tmp_path, se
 def test_partial_rollout_on_a_rollout_pool_is_the_colocated_partial_run(tmp_path):
     """max_staleness=0: the partial-rollout rounds run on the rollout pool between the updates, in the colocated
     order, so the run is the colocated partial-rollout run, bitwise (samples continued across steps included)."""
+    # both runs at one thread per actor (train_cmd's ONE_THREAD; the default gives the colocated actor 2, each pool
+    # actor 1): the continued samples' behaviour weights read the rollout's log-probs, and on an AVX-512 CPU a forward
+    # on 2 threads rounds differently from one on 1 (issue #40: step 3 differed by ~1e-7 there)
     common = ("trainer.total_steps=3", "partial_rollout.round_tokens=4", "partial_rollout.max_rounds=4")
-    # one thread per actor in both runs (colocated: one actor, else 2 threads; pools: two actors of 1): the continued
-    # samples' behaviour weights read the rollout's log-probs, and on an AVX-512 CPU a forward on 2 threads rounds
-    # differently from one on 1 (issue #40: step 3 differed by ~1e-7 there, bitwise equal with the threads fixed)
-    common += ("trainer.cpu_threads=1",)
     colocated, _ = _train(tmp_path / "colocated", *common)
     pooled, _ = _train(tmp_path / "pools", *common, *POOL, "rollout_pool.max_staleness=0")
     plain, split = trajectory(colocated), trajectory(pooled)

@@ -217,7 +217,11 @@ class PolicyWorker:
             weights = self._lagged(weights)
         sent = self.rollout_engine.update_weights(weights)
         self.rollout_engine.sleep()
-        return {"sync/bytes": float(sent), "sync/time_s": time.perf_counter() - start}
+        metrics = {"sync/bytes": float(sent), "sync/time_s": time.perf_counter() - start}
+        host = getattr(self.rollout_engine, "last_sync", {}).get("host_bytes")  # the vllm engine counts them
+        if host is not None:  # what went through host memory as serialised bytes (audit 3 finding 5)
+            metrics["sync/host_bytes"] = float(host)
+        return metrics
 
     def start_history(self) -> None:
         """``rollout.weights_lag``: version 0, the weights before any update (the export is a collective)."""
@@ -524,7 +528,10 @@ class WorkerGroup:
 
     def sync_weights(self) -> dict[str, float]:
         per_rank = self._all("sync_weights")
-        return {"sync/bytes": per_rank[0]["sync/bytes"], "sync/time_s": max(m["sync/time_s"] for m in per_rank)}
+        metrics = {"sync/bytes": per_rank[0]["sync/bytes"], "sync/time_s": max(m["sync/time_s"] for m in per_rank)}
+        if "sync/host_bytes" in per_rank[0]:
+            metrics["sync/host_bytes"] = per_rank[0]["sync/host_bytes"]
+        return metrics
 
     def save_checkpoint(self, path: str) -> None:
         self._all("save_checkpoint", path)

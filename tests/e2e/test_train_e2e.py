@@ -250,6 +250,9 @@ def test_megatron_and_vllm_train_save_and_resume(tmp_path):
     assert [r["step"] for r in lines if "val/all/mean@1" in r] == [0, 2, 3]
     rows = lines[1:]
     assert all(0 <= r["reward/mean"] <= 1 and r["sync/bytes"] > 1e6 for r in rows)
+    # vLLM runs in the worker's process at TP 1 on the host build: the weights reach it as tensors, no bytes through
+    # host memory (in vLLM's own engine-core process every byte went as safetensors: host_bytes == bytes)
+    assert all(r["sync/host_bytes"] == 0 for r in rows)
     # vLLM's log-probs of its own samples against the Megatron engine's recompute: fp32 CPU, same weights
     assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e_sides import SIDES
+from procstats import tree_cpu_s
 
 
 @dataclass
@@ -31,6 +32,7 @@ class SideResult:
     peak_rss_mib: float = float("nan")
     extra: dict[str, float] = field(default_factory=dict)
     error: str = ""
+    others_cpu_s: list[float] = field(default_factory=list)  # CPU-s the other sides used during each step (in turns)
 
     @property
     def steps(self) -> int:
@@ -61,6 +63,11 @@ class SideResult:
         real = sum(self.real_tokens[1:])
         return sum(self.processed_tokens[1:]) / real if real else math.nan
 
+    def others_cores(self) -> float:
+        """Cores the other sides' processes kept busy, on average, while this side ran its measured steps."""
+        seconds = sum(self.step_s[1:])
+        return sum(self.others_cpu_s[1:]) / seconds if seconds and len(self.others_cpu_s) > 1 else math.nan
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,
@@ -77,6 +84,8 @@ class SideResult:
             "padded_token_share": self.padded_share(),
             "computed_per_real_token": self.computed_per_real(),
             "peak_rss_mib": self.peak_rss_mib,
+            "others_cpu_s": self.others_cpu_s,
+            "others_cores": self.others_cores(),
             "extra": self.extra,
             "error": self.error,
         }
@@ -193,7 +202,11 @@ def run_sides(
             side.attempt(lambda s: s.result.extra.__setitem__("setup_s", s.expect("ready")["setup_s"]))
         for _ in range(steps):
             for side in procs:
+                others = [p.proc.pid for p in procs if p is not side]
+                before = sum(map(tree_cpu_s, others))
                 side.attempt(SideProcess.step)
+                # what the waiting sides' processes ran meanwhile: on 2 cores any of it slows the side in its turn
+                side.result.others_cpu_s.append(sum(map(tree_cpu_s, others)) - before)
         for side in procs:
             side.attempt(SideProcess.finish)
             failed = f", FAILED: {side.result.error}" if side.result.error else ""

@@ -57,9 +57,10 @@ sync; minus the recompute probe of ``ours-vllm``, see e2e_sides.py). TRL: a call
 are prompt + completion tokens (EOS included, padding excluded). We print the median step time (the headline
 ratio: our first side against the fastest TRL side that ran), the best one (the least disturbed on a shared
 machine), tokens/s, per-stage means, the padded-token share of the training passes, peak RSS and, in turns, the
-median of per-turn ratios. vLLM on CPU reserves one core for its scheduler by default; on this benchmark's
-2-core box that halves its threads, so both vLLM sides run with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (the
-trainer is idle during rollout).
+median of per-turn ratios and the cores the waiting sides' processes kept busy during each side's steps (their CPU
+seconds over the step time: what a side in its turn competed with). vLLM on CPU reserves one core for its
+scheduler by default; on this benchmark's 2-core box that halves its threads, so both vLLM sides run with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (the trainer is idle during rollout).
 
 How this differs from TRL's own benchmarks: TRL reports per-optimizer-step times from its logs; a GSPO step
 (the unit the paper's 4-minibatch split is defined on) spans 4 of them, so we time whole rollout batches.
@@ -470,6 +471,7 @@ def table_rows(results: list[SideResult], trl_best: SideResult | None) -> list[t
         ("padded share, training passes", _cells(results, SideResult.padded_share, "{:.1%}")),
         ("tokens computed / held, training passes", _cells(results, SideResult.computed_per_real, "{:.2f}")),
         ("peak RSS (MiB)", _cells(results, lambda r: r.peak_rss_mib, "{:.0f}")),
+        ("other sides' CPU during the step (cores)", _cells(results, SideResult.others_cores, "{:.2f}")),
         ("response tokens, mean", _cells(results, lambda r: statistics.fmean(r.response_length_mean), "{:.1f}")),
         ("prompt tokens, mean", _cells(results, lambda r: r.prompt_length_mean, "{:.1f}")),
         ("reward mean", _cells(results, lambda r: statistics.fmean(r.reward_mean))),

@@ -29,6 +29,22 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process and its descendants have used so far; 0 once it is gone. An ended
+    descendant counts through the ``children_*`` times of the parent that reaped it, so the sum only grows while the
+    top process lives (a descendant whose parent ended first is lost: the difference undercounts then)."""
+    import psutil
+
+    total = 0.0
+    for p in (pid, *descendants(pid)):
+        try:
+            t = psutil.Process(p).cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            continue
+    return total
+
+
 def ray_workers(prefix: str | tuple[str, ...] = "ray::PolicyWorker") -> list[int]:
     """The Ray actor processes named ``prefix`` (one or several) among this process's descendants, and their
     children (vLLM's engine core): ours by default, verl's model holders for its side (verl_side/side.py)."""

@@ -45,6 +45,8 @@ def test_summary_excludes_the_warm_up_step(bench):
     side.processed_tokens = [50.0, 80.0, 80.0, 160.0]  # a shared prompt: fewer computed than held, no padding
     assert side.padded_share() == 0.0 and side.computed_per_real() == pytest.approx(320.0 / 380.0)
     assert not bench.SideResult("y", step_s=[1.0, 1.0], error="boom").ok
+    side.others_cpu_s = [5.0, 1.0, 2.0, 0.0]  # the others' CPU-s during each step; the warm-up's left out
+    assert side.others_cores() == pytest.approx(3.0 / 9.0)
 
 
 def batch_of(prompt_lengths, response_lengths, width=6) -> SampleBatch:
@@ -243,6 +245,8 @@ def test_tiny_run_of_both_sides(tmp_path):
         assert all(0 < length <= 4 for length in result[side]["response_length_mean"])
         assert result[side]["peak_rss_mib"] > 100  # a process holding a model and an optimizer
         assert {"generate", "old_log_prob", "update"} <= set(result[side]["stages_s"])
+        # in turns the other side waits meanwhile: its processes' CPU-s, one per step, measured and never negative
+        assert len(result[side]["others_cpu_s"]) == 2 and all(t >= 0 for t in result[side]["others_cpu_s"])
     assert result["ours"]["padded_token_share"] == 0.0  # packed rows carry no padding
     # the printed ratio is the ratio of the two medians of the measured (non-warm-up) steps
     assert ratio == pytest.approx(result["ours"]["step_s"][1] / result["trl"]["step_s"][1], rel=1e-3, abs=1e-4)

@@ -416,11 +416,18 @@ def heldout_file() -> str:
     return str(embedded_data_dir() / "test.parquet")
 
 
+WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def side_env(side: Side, cfg, model: str) -> dict[str, str]:
     # the checkout after what the caller put on the path (the GPU proof's site of carried packages), not instead
     onednn_off = None if side.onednn else str(REPO / "benchmarks" / "verl_side" / "onednn_off")
     path = os.pathsep.join(filter(None, [onednn_off, os.environ.get("PYTHONPATH"), str(REPO)]))
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+    # each side is a world of its own: a torch.distributed world around the benchmark (a torchrun shell, a test
+    # session that built an in-process engine) would make accelerate join it ("MASTER_ADDR expected")
+    for key in WORLD_ENV:
+        env.pop(key, None)
     if side.rollout == "vllm":
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # see the module docstring
     if side.trainer == "trl" and side.rollout == "vllm":

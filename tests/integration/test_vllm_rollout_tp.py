@@ -44,12 +44,14 @@ def _rank_main(out: Path) -> None:
     import torch.distributed as dist
 
     from gspo_ascend.device import get_backend
+    from gspo_ascend.engines.vllm_env import LAUNCHER_ENV
     from gspo_ascend.engines.vllm_rollout import build_vllm_rollout, split_rollout_prompts
     from gspo_ascend.tiny import ensure_tiny_model
     from tests.integration.test_vllm_rollout import _cfg, _hf_model, _perturbed, _prompts
 
     torch.set_num_threads(1)  # two ranks on two cores
     dist.init_process_group("gloo")
+    env_before = {k: os.environ.get(k) for k in LAUNCHER_ENV}
     rank, world = dist.get_rank(), dist.get_world_size()
     path = str(ensure_tiny_model())
     cfg = _cfg(**{"rollout.tensor_parallel_size": 2, "data.train_batch_size": PROMPTS, "rollout.n": PARAMS.n})
@@ -85,6 +87,8 @@ def _rank_main(out: Path) -> None:
         **unseeded,
     }
     engine.close()
+    result["env_restored"] = {k: os.environ.get(k) for k in LAUNCHER_ENV} == env_before
+    result["env_before"] = env_before
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)  # the trainer's process group survives the in-process engine's shutdown
     result["world_after_close"] = float(total)
@@ -122,6 +126,7 @@ def _launch(out: Path, world: int = 2) -> list[dict]:
         "OMP_NUM_THREADS": "1",
     }
     env.pop("LOCAL_RANK", None)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the ranks' engine sets it; they start without it
     procs, logs = [], []
     for rank in range(world):
         logs.append(out / f"rank{rank}.log")
@@ -188,6 +193,9 @@ class TestTwoRanks:
             assert result["tp"] == (rank, 0)  # ranks 0 and 1 form rollout group 0
             assert result["vllm_tp"] == (rank, 2)  # vLLM's own TP group agrees
             assert result["world_after_close"] == 3.0  # 1 + 2: close() left our gloo world working
+            # close() put the launcher variables back: the spawner's RANK, and no VLLM_ENABLE_V1_MULTIPROCESSING=0
+            assert result["env_restored"] and result["env_before"]["RANK"] == str(rank)
+            assert result["env_before"]["VLLM_ENABLE_V1_MULTIPROCESSING"] is None
 
     def test_building_the_engine_in_process_leaves_the_trainers_rng_alone(self, ranks, _):
         """vLLM's worker reseeds the global RNGs with the config's seed while it starts (vllm-ascend 0.11

@@ -196,6 +196,16 @@ def test_shapes_fill_what_the_flags_leave(bench):
     assert bench.parse_args([]).sides == ["ours-hf", "trl-hf"] and bench.parse_args([]).model == "tiny"
 
 
+def test_sides_start_outside_the_callers_world(bench, monkeypatch):
+    # a test session whose in-process engine left RANK / WORLD_SIZE set made TRL's side ask for MASTER_ADDR
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("GSPO_SIDE_ENV_PROBE", "kept")
+    env = bench.side_env(bench.SIDES["trl-hf"], None, "")
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"} & set(env)
+    assert env["GSPO_SIDE_ENV_PROBE"] == "kept" and env["TOKENIZERS_PARALLELISM"] == "false"
+
+
 def test_config_matches_the_paper_split(bench, tmp_path):
     args = bench.parse_args(["--batch", "8", "--n", "4", "--max-new-tokens", "16"])
     cfg = bench.our_config(args, str(tmp_path))

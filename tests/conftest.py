@@ -121,23 +121,18 @@ def ray_lock(request):
         yield
 
 
-# what an in-process vLLM engine (external_launcher_env) or a worker's setup writes into os.environ
-_WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING")
-
-
 @pytest.fixture(autouse=True)
 def world_env_restored():
     """The distributed launcher variables as they were before each test. A test that built an engine inside the
     session's process group (a train engine leaves its one-process group) and did not close it left RANK /
     WORLD_SIZE behind, and every later subprocess of that pytest worker inherited them: TRL's side in the GPU
-    proof then asked for MASTER_ADDR (CI, 2026-12-03)."""
-    before = {k: os.environ.get(k) for k in _WORLD_ENV}
+    proof then asked for MASTER_ADDR (CI, 2026-12-03). The engine's own variables plus a worker setup's
+    MASTER_*; imported here, not at the top, so the controller does not import torch for it."""
+    from gspo_ascend.engines.vllm_env import LAUNCHER_ENV, restore_env
+
+    before = {k: os.environ.get(k) for k in (*LAUNCHER_ENV, "MASTER_ADDR", "MASTER_PORT")}
     yield
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    restore_env(before)
 
 
 def pytest_configure(config):

@@ -11,11 +11,12 @@ import json
 import math
 import statistics
 import subprocess
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e_sides import SIDES
-from procstats import tree_cpu_s
+from procstats import paused, tree_cpu_s
 
 
 @dataclass
@@ -189,11 +190,19 @@ def summarise(side: SideProcess, samples: int) -> SideResult:
 
 
 def run_sides(
-    sides: list[tuple[str, dict[str, str]]], command: list[str], steps: int, sequential: bool, work: Path, samples: int
+    sides: list[tuple[str, dict[str, str]]],
+    command: list[str],
+    steps: int,
+    sequential: bool,
+    work: Path,
+    samples: int,
+    pause_waiting: bool = True,
 ) -> list[SideResult]:
     """Start every side (name, environment) as ``command + --side-worker NAME``, then ``steps`` rollout batches
     each: in turns (round by round), or one side's all before the next side starts (``sequential``: a side's
-    process is only started after the previous one ended, so no set-up runs beside another side's steps)."""
+    process is only started after the previous one ended, so no set-up runs beside another side's steps). In turns
+    the waiting sides' processes are stopped through each side's step (``pause_waiting``, :func:`paused`), so each
+    side has the machine to itself, as sequentially, while the turns still share out slow drifts of the machine."""
     groups = [[side] for side in sides] if sequential else [sides]
     done = []
     for group in groups:
@@ -203,10 +212,12 @@ def run_sides(
         for _ in range(steps):
             for side in procs:
                 others = [p.proc.pid for p in procs if p is not side]
-                before = sum(map(tree_cpu_s, others))
-                side.attempt(SideProcess.step)
-                # what the waiting sides' processes ran meanwhile: on 2 cores any of it slows the side in its turn
-                side.result.others_cpu_s.append(sum(map(tree_cpu_s, others)) - before)
+                with paused(others) if pause_waiting else nullcontext():
+                    before = sum(map(tree_cpu_s, others))
+                    side.attempt(SideProcess.step)
+                    # what the waiting sides' processes ran meanwhile: on 2 cores any of it slows the side in its
+                    # turn (0 when they are paused)
+                    side.result.others_cpu_s.append(sum(map(tree_cpu_s, others)) - before)
         for side in procs:
             side.attempt(SideProcess.finish)
             failed = f", FAILED: {side.result.error}" if side.result.error else ""

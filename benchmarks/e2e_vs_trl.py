@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/e2e_vs_trl.py [--shape tiny|realistic] [--sides ours-vllm,ours-hf,trl-hf,...]
                          [--steps N] [--batch 16] [--n 8] [--max-new-tokens N] [--model tiny|small]
-                         [--sequential] [--set actor.use_remove_padding=false ...] [--json PATH]
+                         [--sequential | --no-pause] [--set actor.use_remove_padding=false ...] [--json PATH]
 
 Shapes (``--shape``; ``--model``, ``--max-new-tokens``, ``--steps`` and ``--sides`` override them):
 
@@ -58,9 +58,11 @@ are prompt + completion tokens (EOS included, padding excluded). We print the me
 ratio: our first side against the fastest TRL side that ran), the best one (the least disturbed on a shared
 machine), tokens/s, per-stage means, the padded-token share of the training passes, peak RSS and, in turns, the
 median of per-turn ratios and the cores the waiting sides' processes kept busy during each side's steps (their CPU
-seconds over the step time: what a side in its turn competed with). vLLM on CPU reserves one core for its
-scheduler by default; on this benchmark's 2-core box that halves its threads, so both vLLM sides run with
-``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (the trainer is idle during rollout).
+seconds over the step time: what a side in its turn competed with). In turns the waiting sides are stopped
+(SIGSTOP, continued after the step) so that figure is 0: idle, verl's side kept 0.2 of a core of the 2 busy
+through ours, ours 0.05 through verl's; ``--no-pause`` leaves them running, as the runs before the flag did.
+vLLM on CPU reserves one core for its scheduler by default; on this benchmark's 2-core box that halves its
+threads, so both vLLM sides run with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (the trainer is idle during rollout).
 
 How this differs from TRL's own benchmarks: TRL reports per-optimizer-step times from its logs; a GSPO step
 (the unit the paper's 4-minibatch split is defined on) spans 4 of them, so we time whole rollout batches.
@@ -126,7 +128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="max response tokens (default: the shape's)")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate (the tiny model's, see tiny_gspo.yaml)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto (npu: TRL's side is not set up for it)")
-    p.add_argument("--sequential", action="store_true", help="each side runs all its steps before the next starts")
+    order = p.add_mutually_exclusive_group()
+    order.add_argument("--sequential", action="store_true", help="each side runs all its steps before the next starts")
+    order.add_argument(
+        "--no-pause", action="store_true", help="in turns, leave the waiting sides running (not stopped)"
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra override of our config")
     p.add_argument("--json", type=Path, default=None, help="write every side's per-step numbers here")
     p.add_argument("--side-worker", default=None, help=argparse.SUPPRESS)  # internal: run one side (e2e_sides.py)
@@ -496,6 +502,7 @@ def report(results: list[SideResult], args: argparse.Namespace, filtered: int, l
     if ours and trl and not args.sequential and ours.steps == trl.steps:  # step i of each side ran back to back
         paired = statistics.median(a / b for a, b in zip(ours.step_s[1:], trl.step_s[1:], strict=True))
     order = "one side after the other" if args.sequential else "in turns, one rollout batch per side"
+    order += ", the waiting sides left running" if args.no_pause else ""
     print(
         f"\nGSPO end-to-end, model {args.model_dir or args.model}, {args.batch} prompts x n={args.n}, up to "
         f"{args.max_new_tokens} new "
@@ -581,7 +588,9 @@ def main(argv: list[str] | None = None) -> int:
             before = os.getloadavg()[0]
             command = [sys.executable, str(Path(__file__).resolve()), *argv]
             envs = [(n, side_env(SIDES[n], our_config(args, tmp, SIDES[n], model, data), model)) for n in args.sides]
-            results = run_sides(envs, command, args.steps, args.sequential, Path(tmp), args.batch * args.n)
+            results = run_sides(
+                envs, command, args.steps, args.sequential, Path(tmp), args.batch * args.n, not args.no_pause
+            )
             load = (before, os.getloadavg()[0])
     except UserError as exc:  # ConfigError is one too: a bad --set names its key
         print(f"error: {exc}", file=sys.stderr)

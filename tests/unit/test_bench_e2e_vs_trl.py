@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -237,6 +238,37 @@ def test_reward_wrapper_scores_like_our_trainer(bench, tmp_path):
     assert scores == [1.0, 0.0, 0.0]
 
 
+def test_waiting_sides_are_stopped_through_a_turn_and_continued_after_it(bench):
+    """procstats.paused: a process and its child, both spinning, use no CPU inside the block (stopped), run again
+    after it, also when the block raises (a side that fails in its turn must not leave the others stopped)."""
+    import psutil
+    from procstats import descendants, paused, tree_cpu_s
+
+    spin = "while True: pass"
+    code = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {spin!r}])\n{spin}"
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not descendants(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = [parent.pid, *descendants(parent.pid)]
+        assert len(tree) == 2
+        with pytest.raises(RuntimeError), paused([parent.pid]) as held:
+            assert held == tree
+            assert {psutil.Process(p).status() for p in tree} == {psutil.STATUS_STOPPED}
+            before = tree_cpu_s(parent.pid)
+            time.sleep(0.3)
+            assert tree_cpu_s(parent.pid) == before
+            raise RuntimeError("the side in its turn failed")
+        assert psutil.STATUS_STOPPED not in {psutil.Process(p).status() for p in tree}
+        time.sleep(0.3)
+        assert tree_cpu_s(parent.pid) > before + 0.1  # both spin again
+    finally:
+        for pid in reversed([parent.pid, *descendants(parent.pid)]):
+            psutil.Process(pid).kill()
+        parent.wait()
+
+
 @pytest.mark.slow
 def test_tiny_run_of_both_sides(tmp_path):
     out = tmp_path / "bench.json"
@@ -255,8 +287,8 @@ def test_tiny_run_of_both_sides(tmp_path):
         assert all(0 < length <= 4 for length in result[side]["response_length_mean"])
         assert result[side]["peak_rss_mib"] > 100  # a process holding a model and an optimizer
         assert {"generate", "old_log_prob", "update"} <= set(result[side]["stages_s"])
-        # in turns the other side waits meanwhile: its processes' CPU-s, one per step, measured and never negative
-        assert len(result[side]["others_cpu_s"]) == 2 and all(t >= 0 for t in result[side]["others_cpu_s"])
+        # in turns the other side waits meanwhile, stopped: its processes' CPU-s, one per step, all 0
+        assert result[side]["others_cpu_s"] == [0.0, 0.0]
     assert result["ours"]["padded_token_share"] == 0.0  # packed rows carry no padding
     # the printed ratio is the ratio of the two medians of the measured (non-warm-up) steps
     assert ratio == pytest.approx(result["ours"]["step_s"][1] / result["trl"]["step_s"][1], rel=1e-3, abs=1e-4)

@@ -66,6 +66,10 @@ threads, so both vLLM sides run with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (the tra
 
 How this differs from TRL's own benchmarks: TRL reports per-optimizer-step times from its logs; a GSPO step
 (the unit the paper's 4-minibatch split is defined on) spans 4 of them, so we time whole rollout batches.
+
+Why one file over 600 lines: our configuration and TRL's are built here side by side, as the table above pairs
+them, with the arguments and the report that name both; the turns are benchmarks/e2e_turns.py, the sides'
+processes benchmarks/e2e_sides.py, verl's side benchmarks/verl_side/.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ thousands; the rollout and train engines are both Hugging Face forwards on CPU, 
 train/inference mismatch and routing never differs between engines. Routing still shifts between the old and the
 updated policy within a step: every MoE run measures it (``routing/update_agreement``), and the MoE runs add the
 paper's own baseline, GRPO with Routing Replay (``actor.routing_replay=r2``), beside GRPO without it.
+
+Why one file over 600 lines: a benchmark script that runs, summarises and reports in one, so that it is run,
+copied to another box and read as one; its statistics and report are pure functions over the raw JSON
+(``--replot``), tested in tests/unit/test_reproduce_paper.py, and benchmarks/staleness_study.py imports them.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ tiny: the findings are about the objectives' mechanics at this scale, not a fore
 
 Output: ``raw/<run>.jsonl`` (each run's metrics.jsonl, unmodified), ``raw/<run>.meta.json`` (settings, wall time,
 load), figures and ``results.md`` in ``--out`` (default docs/results/staleness).
+
+Why one file over 600 lines: as benchmarks/reproduce_paper.py, whose settings and statistics it imports rather
+than copies: one script runs the grid, summarises and writes the report (``--report-only`` from the raw files).
 """
 
 from __future__ import annotations

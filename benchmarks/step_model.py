@@ -37,6 +37,9 @@ re-prefill of continuations, and the sync that both pools wait for each step, wh
 Closed forms the tests check (tests/unit/test_step_model.py): with constant lengths and a throughput that does
 not depend on concurrency, colocated step = gen + train + sync exactly and one-step-off = max(gen + sync_r,
 train + sync_t); ``round_tokens >= max_response`` with no extra groups is the synchronous step, time for time.
+
+Why one file over 600 lines: the model, its presets with their sources and its report are one script over numpy
+alone, which a cluster user can copy and run without the package; the tests above hold the model as a whole.
 """
 
 from __future__ import annotations

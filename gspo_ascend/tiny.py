@@ -34,6 +34,11 @@ glibc's libm variant (``GLIBC_TUNABLES`` masking FMA/AVX2). It costs about twice
 for the warm start on one thread; docs/trainer.md). Test-shrunk models
 (TinySpec overrides) build in-process as before unless ``portable=True``: nothing promises their bytes across
 CPUs, and the child's imports would cost CI seconds per build.
+
+Why one file over 600 lines: it is the recipe that :data:`RECIPE_VERSION` versions, what decides a built model's
+bytes (the task's text, the tokenizer trained on it, the config, the warm start and the portable child that runs
+it), with the manifest that records them and the command that builds them; a change to any part of the recipe must
+bump the version, so it is kept where one reading sees all of it. The tool-use task is :mod:`.tiny_tools`.
 """
 
 from __future__ import annotations

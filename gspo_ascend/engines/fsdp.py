@@ -27,6 +27,10 @@ How we differ from verl's FSDP actor (dp_actor.py + fsdp_workers.py):
   sharded like the policy, instead of in a separate ref worker.
 Weights are kept in float32 (master); ``model.dtype=bfloat16`` computes in bf16 through FSDP2's
 MixedPrecisionPolicy with float32 gradient reduction. float16 is refused (it needs loss scaling).
+
+Why one file over 600 lines: it is one class whose methods share the sharded model, the optimizer and what is
+resident where; what stands alone is already a module of its own (:mod:`.ulysses`, :mod:`.routing`,
+:mod:`.logprobs`, :mod:`.packed_attention`, :mod:`.compiled_layers`, :mod:`.microbatch`, :mod:`.train_common`).
 """
 
 from __future__ import annotations

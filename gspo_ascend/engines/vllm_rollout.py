@@ -88,6 +88,10 @@ Where the code lives: this module is the engine (construction, generation, the w
 :mod:`.vllm_env` the process environment and the in-process (TP) plumbing; :mod:`.rollout_shards` the rollout
 TP groups and the driver's dispatch. Their public names are importable from here too. The vllm-ascend repairs live
 in ``gspo_ascend.patches.vllm_ascend``.
+
+Why one file over 600 lines: what is left here is the engine class and the request seeding only it calls
+(:class:`SamplerStream`, :func:`call_seed`); the parts that run elsewhere (in vLLM's workers, in the driver)
+are the modules above.
 """
 
 from __future__ import annotations

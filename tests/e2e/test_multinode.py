@@ -231,13 +231,9 @@ def train_on(r: dict, address: str, out: Path) -> list[str]:
     ]
 
 
-def test_two_nodes_launch_checkpoint_node_loss_and_resume(ray_env, tmp_path):
-    r, timings = ray_env, {}
-    # ---------------------------------------------------------------------------------------- half 1: launchers
-    straight = tmp_path / "straight"
-    t0 = time.monotonic()
-    head, worker_out = launch_two_nodes(r, straight)
-    timings["launch_2_nodes_s"] = time.monotonic() - t0
+def assert_both_launchers_trained_and_stopped(r: dict, straight: Path, head, worker_out: str) -> None:
+    """Half 1's verdict: the run finished across two nodes, wrote one checkpoint directory from both, and each
+    launcher stopped exactly the Ray node it started."""
     assert head.returncode == 0, head.stdout[-4000:] + head.stderr[-3000:]
     assert "succeeded" in head.stdout + head.stderr and "step 4/4" in head.stdout
     assert "# cluster ready: 2 node(s), 2 CPU" in head.stdout
@@ -256,6 +252,46 @@ def test_two_nodes_launch_checkpoint_node_loss_and_resume(ray_env, tmp_path):
             time.sleep(1)
         assert processes_mentioning(str(tmp)) == [], tmp  # both launchers stopped what they started
 
+
+def lose_a_node_after_step_2(r: dict, address: str, node: subprocess.Popen, out_dir: Path, timings: dict):
+    """Train on the cluster at ``address``, kill ``node`` (its raylet and the workers it started) once step 2's
+    checkpoint is complete; the driver's exit code, stdout, stderr and the lost node's id."""
+    driver = subprocess.Popen(
+        train_on(r, address, out_dir),
+        env={**r["env"], "RAY_ADDRESS": address},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not (out_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists():
+            assert driver.poll() is None and time.monotonic() < deadline, "no checkpoint at step 2"
+            time.sleep(0.1)
+        raylet, lost_node = raylet_of(node.pid)
+        victims = [raylet, *descendants(raylet)]  # the raylet and the workers it started: the node is gone
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        out, err = driver.communicate(timeout=300)
+        timings["node_loss_to_driver_exit_s"] = time.monotonic() - t_kill
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    return driver.returncode, out, err, lost_node
+
+
+def test_two_nodes_launch_checkpoint_node_loss_and_resume(ray_env, tmp_path):
+    r, timings = ray_env, {}
+    # ---------------------------------------------------------------------------------------- half 1: launchers
+    straight = tmp_path / "straight"
+    t0 = time.monotonic()
+    head, worker_out = launch_two_nodes(r, straight)
+    timings["launch_2_nodes_s"] = time.monotonic() - t0
+    assert_both_launchers_trained_and_stopped(r, straight, head, worker_out)
+
     # ---------------------------------------------------------------------- half 2: node loss, then resume
     gcs, client, agent1, agent2, agent3 = free_ports(5)
     head_tmp = Path(tempfile.mkdtemp(prefix="gh", dir="/tmp"))
@@ -266,31 +302,8 @@ def test_two_nodes_launch_checkpoint_node_loss_and_resume(ray_env, tmp_path):
         second = join_node(r, cluster, address, agent2, node_tmps[0], nodes=2)
 
         resumed = tmp_path / "resumed"
-        driver = subprocess.Popen(
-            train_on(r, address, resumed),
-            env={**r["env"], "RAY_ADDRESS": address},
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            deadline = time.monotonic() + 600
-            while not (resumed / "checkpoints" / "step_00000002" / "COMPLETE").exists():
-                assert driver.poll() is None and time.monotonic() < deadline, "no checkpoint at step 2"
-                time.sleep(0.1)
-            raylet, lost_node = raylet_of(second.pid)
-            victims = [raylet, *descendants(raylet)]  # the raylet and the workers it started: the node is gone
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-            t_kill = time.monotonic()
-            out, err = driver.communicate(timeout=300)
-            timings["node_loss_to_driver_exit_s"] = time.monotonic() - t_kill
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-                driver.wait()
-        assert driver.returncode == 1, out[-2000:] + err[-4000:]
+        code, out, err, lost_node = lose_a_node_after_step_2(r, address, second, resumed, timings)
+        assert code == 1, out[-2000:] + err[-4000:]
         assert "Traceback" not in err, err[-4000:]
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1, err[-4000:]

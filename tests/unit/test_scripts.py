@@ -6,6 +6,9 @@ says "fits" on the script's target hardware. NPU and GPU scripts differ only in 
 requirements files agree with the doctor's version matrix (checked with the doctor's own package checks). Slow
 tests run the Ray lifecycle for real and check that the launcher stops exactly what it started, and (where Ray's
 job server is installed, `ray[default]`) run the CPU script end to end through `ray job submit`.
+
+Why one file over 600 lines: every test here runs the same launch scripts through the same helpers (the dry run,
+the Ray lifecycle), and the slow ones share the port and process helpers at its end.
 """
 
 from __future__ import annotations

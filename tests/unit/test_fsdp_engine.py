@@ -76,9 +76,12 @@ def parked_engine(model_path: str, *overrides: str):
     return engine
 
 
-def rollout(model_path: str, n: int, seed: int, noise: float = 1e-4) -> SampleBatch:
-    """A batch whose old_log_probs are the initial policy's (independent reference) plus small noise."""
+def rollout(model_path: str, n: int, seed: int, noise: float = 1e-4, group: int = 1) -> SampleBatch:
+    """A batch whose old_log_probs are the initial policy's (independent reference) plus small noise; ``group``
+    consecutive samples share a prompt (GSPO's groups)."""
     batch = make_batch(n, R, seed)
+    if group > 1:
+        batch = batch.replace(prompt_ids=[batch.prompt_ids[i - i % group] for i in range(n)])
     with torch.no_grad():
         current = reference_log_probs(plain_model(model_path), batch, 1.0)
     return with_old_log_probs(batch, current, noise, seed)
@@ -281,9 +284,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_path):
 
 @pytest.mark.slow
 # DP2 on the host: auto reshards (ZeRO-3); off keeps the layers gathered and defers the reduction, dummy passes
-# included (the default on a device where it fits)
-@pytest.mark.parametrize("reshard", ["auto", "off"])
-def test_dp2_update_equals_dp1_update(model_path, reshard):
+# included (the default on a device where it fits). ``group`` 2: samples 2i and 2i + 1 share a prompt, which
+# dp_shard keeps on one rank, so actor.shared_prefix (auto: on on the host) shares it there, at DP2 and at DP1.
+@pytest.mark.parametrize("reshard, group", [("auto", 2), ("off", 1)])
+def test_dp2_update_equals_dp1_update(model_path, reshard, group):
     overrides = [
         "data.train_batch_size=8",
         "algorithm.minibatches_per_rollout=2",
@@ -292,10 +296,14 @@ def test_dp2_update_equals_dp1_update(model_path, reshard):
         "algorithm.loss_agg_mode=token-mean",
         f"actor.fsdp_reshard_after_forward={reshard}",
     ]
-    batch = rollout(model_path, 8, seed=9)
+    batch = rollout(model_path, 8, seed=9, group=group)
     shards = [dp_shard(batch, r, 2, 2) for r in range(2)]
-    counts = [[len(plan_micro_batches(mb, max_tokens=14)) for mb in shard.split(2)] for shard in shards]
+    shared = group > 1
+    counts = [[len(plan_micro_batches(mb, max_tokens=14, shared_prefix=shared)) for mb in s.split(2)] for s in shards]
     assert counts[0] != counts[1]  # so the zero-weight dummy passes are exercised
+    if shared:  # each rank's minibatch holds a pair of one prompt, which shares one row in 3 of the 4
+        assert all(mb.prompt_ids[0] == mb.prompt_ids[1] for s in shards for mb in s.split(2))
+        assert counts == [[2, 1], [1, 1]]
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(batch_to_dict(batch), f"{tmp}/batch.pt")
         cmd = [sys.executable, "-m", "tests.unit.fsdp_worker", "2", tmp, *overrides]
@@ -305,6 +313,7 @@ def test_dp2_update_equals_dp1_update(model_path, reshard):
     from gspo_ascend.engines.fsdp import FSDPEngine
 
     engine = FSDPEngine(engine_config(*overrides), get_backend("cpu"), model_path)
+    assert engine.shared_prefix  # auto, on the host
     log_probs = engine.compute_log_probs(batch, 1.0)
     metrics = engine.update(batch, 1.0)
     for r in range(2):

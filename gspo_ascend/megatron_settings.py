@@ -1,9 +1,14 @@
 """The settings the megatron engine builds megatron-core's DDP with, in one torch-free place: the engine
 (engines/megatron.py) passes them to megatron, and the memory planner (doctor/planner.py) sizes the gradient
 buffers from them, so `gspo-ascend plan` needs no torch and cannot drift from the engine (issue #25: it had sized
-gradients at the model dtype while the engine keeps them in fp32)."""
+gradients at the model dtype while the engine keeps them in fp32). Likewise what the installed megatron-core can
+split over TP, which the engine enforces and the preflight (doctor/preflight.py) reports."""
 
 from __future__ import annotations
+
+import importlib.metadata
+
+from .doctor.versions import release
 
 # fp32 gradient buffers: a bf16 reduce of many small per-token terms loses the GSPO update's low bits
 GRAD_REDUCE_IN_FP32 = True
@@ -22,3 +27,22 @@ def grad_bytes_per_param(model_dtype_bytes: int) -> int:
     """Bytes of megatron's gradient buffer per parameter (param_and_grad_buffer.py: torch.float when
     ``grad_reduce_in_fp32``, the parameter dtype otherwise)."""
     return 4 if GRAD_REDUCE_IN_FP32 else model_dtype_bytes
+
+
+def megatron_core_version() -> str | None:
+    """The installed megatron-core's version, read from its distribution metadata: nothing is imported (the engine
+    must not import ``megatron.core`` before MindSpeed has patched it; the doctor runs without it)."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def replicates_kv_heads(version: str | None) -> bool:
+    """Whether this megatron-core runs TP over more ranks than the model has KV heads (TP a multiple of them).
+    0.16.0 does: its TransformerConfig takes ``num_query_groups`` that divide TP ("must be a multiple or divisor",
+    ``transformer/transformer_config.py:939-946``), and ``SelfAttention`` all-gathers the QKV projection over TP
+    and keeps the rank's KV group and query heads (``transformer/attention.py``, "When tp_size > num_kv_heads").
+    0.12.1 through 0.15.0 refuse ("must be a multiple of tensor_model_parallel_size", read in each release's
+    wheel)."""
+    return version is not None and release(version) >= (0, 16, 0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .. import megatron_settings
 from ..errors import UserError
 from .check import Check
 from .modelspec import ModelSpec, load_spec
@@ -95,7 +96,8 @@ def rule_world(cfg, spec: ModelSpec | None) -> Iterable[Check]:
 
 
 def rule_heads(cfg, spec: ModelSpec | None) -> Iterable[Check]:
-    """Megatron (ValueError in TransformerConfig): heads and KV groups must split evenly over TP."""
+    """Megatron (ValueError in TransformerConfig): heads split evenly over TP, and so do the KV heads, or TP over
+    them where megatron-core replicates them (0.16 on: megatron_settings.replicates_kv_heads)."""
     tp = cfg.actor.tensor_parallel_size
     if spec is None or cfg.actor.engine != "megatron" or tp == 1:
         return
@@ -109,23 +111,30 @@ def rule_heads(cfg, spec: ModelSpec | None) -> Iterable[Check]:
         )
         return
     kv = spec.kv_heads
-    problem = (
+    if kv % tp == 0:
+        yield _check("heads", None, f"{spec.heads} heads / {kv} KV heads split over TP {tp}", "")
+        return
+    field_error = (
         f"num_query_groups ({kv}) must be a multiple of tensor_model_parallel_size ({tp}): {spec.source} has "
         f"num_key_value_heads={kv} (actor.tensor_parallel_size={tp})"
-        if kv % tp
-        else None
     )
-    # megatron-core >= 0.16 replicates KV heads when TP is a multiple of them (CPU, CUDA); on NPU it runs under
-    # MindSpeed, whose attention with replicated KV heads no test of ours has run, and the previous line's 0.12.1
-    # rejects them: refused there until it is
-    status = "warn" if problem and tp % kv == 0 and cfg.trainer.device in ("cpu", "cuda") else "fail"
+    fix = f"set actor.tensor_parallel_size to a divisor of {kv} ({divisors(kv)})"
+    if tp % kv:
+        yield _check("heads", field_error, "", fix)
+        return
+    # TP a multiple of the KV heads: megatron-core >= 0.16 replicates them (CPU, CUDA and, under MindSpeed
+    # core_r0.16.0, the NPU: tests/mindspeed ms_dense_tp2_kv1); what is installed here decides, where it is
+    version = megatron_settings.megatron_core_version()
+    if version is not None and not megatron_settings.replicates_kv_heads(version):
+        yield _check("heads", f"{field_error}; megatron-core {version} cannot replicate KV heads", "", fix)
+        return
     yield _check(
         "heads",
-        problem,
-        f"{spec.heads} heads / {kv} KV heads split over TP {tp}",
-        f"set actor.tensor_parallel_size to a divisor of {kv} ({divisors(kv)}); on NPU KV-head replication is "
-        "not verified under MindSpeed (the previous line's megatron-core 0.12.1 rejects it)",
-        status,
+        f"{kv} KV heads replicated over TP {tp}: {spec.source} has num_key_value_heads={kv}, so each is on "
+        f"{tp // kv} ranks; megatron-core 0.16 all-gathers every layer's QKV projection over TP to do it",
+        "",
+        f"{fix}: no all-gather; megatron-core before 0.16 (the previous NPU line's 0.12.1) refuses this layout",
+        "warn",
     )
 
 

@@ -19,6 +19,7 @@ from gspo_ascend.engines import megatron_cp as cp_support
 from gspo_ascend.engines import mindspeed_setup
 from gspo_ascend.engines.megatron_compat import patch_megatron_core
 from gspo_ascend.errors import ConfigError, UserError
+from gspo_ascend.megatron_settings import megatron_core_version, replicates_kv_heads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -102,6 +103,16 @@ def _check_config(cfg: Config, backend: Backend) -> None:
         )
 
 
+def _kv_heads_fit(kv: int, tp: int) -> tuple[bool, str]:
+    if kv % tp == 0:
+        return True, ""
+    version = megatron_core_version()
+    if tp % kv == 0:  # replicated KV heads: what the installed release can do
+        why = f"megatron-core {version or '(not installed)'} cannot replicate them (0.16.0 and later can)"
+        return replicates_kv_heads(version), f"num_key_value_heads ({kv}) must divide by TP: {why}"
+    return False, f"num_key_value_heads ({kv}) and TP must divide one by the other"
+
+
 def _check_model(cfg: Config, hf: Any, world: int, on_cpu: bool) -> None:
     """Shapes that must divide by the parallel sizes, checked here with the key to change."""
     a = cfg.actor
@@ -112,7 +123,7 @@ def _check_model(cfg: Config, hf: Any, world: int, on_cpu: bool) -> None:
     rules = [
         (world % (tp * pp) == 0, f"the world size ({world}) must be a multiple of TP x PP ({tp} x {pp})"),
         (world % (etp * ep * pp) == 0, f"the world size ({world}) must be a multiple of ETP x EP x PP"),
-        (hf.num_key_value_heads % tp == 0, f"num_key_value_heads ({hf.num_key_value_heads}) must divide by TP"),
+        _kv_heads_fit(hf.num_key_value_heads, tp),
         (hf.num_attention_heads % tp == 0, f"num_attention_heads ({hf.num_attention_heads}) must divide by TP"),
         (hf.vocab_size % tp == 0, f"vocab_size ({hf.vocab_size}) must divide by TP (the vocabulary is not padded)"),
         (hf.num_hidden_layers % pp == 0, f"num_hidden_layers ({hf.num_hidden_layers}) must divide by PP"),

@@ -46,6 +46,8 @@ CASES = {
     "dense_padded": ("dense", ["actor.use_remove_padding=false"], ("log_probs", "update")),
     "moe_padded": ("moe", ["actor.use_remove_padding=false"], ("log_probs",)),
     "dense_tp2": ("dense_kv2", ["actor.tensor_parallel_size=2"], ("log_probs", "export", "update")),
+    # TP 2 over the one KV head of the tiny Qwen3: megatron-core >= 0.16 replicates it on both TP ranks
+    "dense_tp2_kv1": ("dense", ["actor.tensor_parallel_size=2"], ("log_probs", "export", "update")),
     "dense_pp2": ("dense", ["actor.pipeline_parallel_size=2"], ("log_probs", "export", "update")),
     "dense_dp2": ("dense", [], ("log_probs", "update")),  # data parallel: DDP sums, distributed optimizer shards
     "moe_ep2": ("moe", ["actor.expert_parallel_size=2"], ("log_probs", "export", "checkpoint")),
@@ -73,7 +75,8 @@ def model_path(kind: str, out: Path) -> str:
 
 
 def make_kv2_model(out: Path) -> None:
-    """The tiny Qwen3 with two (identical) KV heads, which TP=2 needs; written by the test process into ``out``."""
+    """The tiny Qwen3 with two (identical) KV heads, which TP=2 splits without replicating them (megatron-core
+    before 0.16 cannot replicate; dense_tp2_kv1 runs the replicated one); written by the test process into ``out``."""
     fixtures.make_kv2_model(ensure_tiny_model(), out)
 
 

@@ -22,6 +22,7 @@ checkpoint and from the fsdp engine run on the same batch. Checked:
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ ONE_PROCESS = [
     "dense_padded",
     "moe_padded",
 ]
-TWO_PROCESSES = ["dense_tp2", "dense_pp2", "dense_dp2", "moe_ep2"]
+TWO_PROCESSES = ["dense_tp2", "dense_tp2_kv1", "dense_pp2", "dense_dp2", "moe_ep2"]
 MODEL_OF = {"moe_tp1": "moe", "moe_padded": "moe", "moe_ep2": "moe", "dense_tp2": "dense_kv2", "fsdp_kv2": "dense_kv2"}
 
 
@@ -98,8 +99,10 @@ def hf_log_probs(run, batch):
 
 
 @pytest.mark.parametrize(
-    "case", ["dense_tp1", "moe_tp1", "dense_padded", "moe_padded", "dense_tp2", "dense_pp2", "dense_dp2", "moe_ep2"]
-)
+    "case",
+    ["dense_tp1", "moe_tp1", "dense_padded", "moe_padded", "dense_tp2", "dense_tp2_kv1", "dense_pp2", "dense_dp2",
+     "moe_ep2"],
+)  # fmt: skip
 def test_log_probs_match_hugging_face(run, hf_log_probs, batch, case):
     assert_rank_log_probs(run[1][case], hf_log_probs[MODEL_OF.get(case, "dense")], batch)
 
@@ -144,6 +147,7 @@ def assert_update_matches(ranks: dict, reference: dict) -> None:
         ("dense_tp1", "fsdp_dense"),
         ("dense_padded", "fsdp_dense"),
         ("dense_tp2", "fsdp_kv2"),
+        ("dense_tp2_kv1", "fsdp_dense"),  # the one KV head on both TP ranks (megatron-core 0.16 replicates it)
         ("dense_pp2", "fsdp_dense"),
         ("dense_dp2", "fsdp_dense"),
         ("dense_kl", "fsdp_kl"),
@@ -165,7 +169,7 @@ def test_gspo_update_matches_fsdp(run, case, reference):
         assert ref["metrics"]["actor/kl_ref"] > 0
 
 
-@pytest.mark.parametrize("case", ["dense_tp1", "moe_tp1", "dense_tp2", "dense_pp2", "moe_ep2"])
+@pytest.mark.parametrize("case", ["dense_tp1", "moe_tp1", "dense_tp2", "dense_tp2_kv1", "dense_pp2", "moe_ep2"])
 def test_export_weights_is_the_hf_state_dict(run, case):
     out, results = run
     exported = results[case][0]["initial_weights"]
@@ -340,7 +344,7 @@ def test_settings_the_cpu_path_cannot_run_are_refused_by_key(overrides, key):
 @pytest.mark.parametrize(
     ("moe", "kv_heads", "overrides", "world", "problem"),
     [
-        (False, 1, ["actor.tensor_parallel_size=2"], 2, "num_key_value_heads"),  # the tiny models have one KV head
+        (False, 2, ["actor.tensor_parallel_size=4"], 4, "num_attention_heads"),  # 2 heads over TP 4
         (False, 1, ["actor.expert_parallel_size=2"], 2, "need a MoE model"),
         (True, 1, ["actor.expert_parallel_size=3"], 3, "num_experts"),
         (False, 1, ["actor.pipeline_parallel_size=2"], 3, "multiple of TP x PP"),
@@ -358,6 +362,27 @@ def test_parallel_sizes_that_do_not_fit_the_model_are_refused(moe, kv_heads, ove
     hf.num_key_value_heads = kv_heads
     with pytest.raises(ConfigError, match=problem):
         _check_model(_cfg(*overrides), hf, world, on_cpu=True)
+
+
+@pytest.mark.parametrize(("version", "refused"), [("0.12.1", True), ("0.15.0", True), ("0.16.0", False), (None, True)])
+def test_tp_over_more_ranks_than_kv_heads_needs_megatron_core_0_16(monkeypatch, version, refused):
+    """The tiny Qwen3's one KV head at TP 2: megatron-core 0.16.0 replicates it (dense_tp2_kv1 above runs it), the
+    releases before refuse it in TransformerConfig, which the engine says first, in one line."""
+    from gspo_ascend.engines import megatron_setup
+    from gspo_ascend.engines.megatron_bridge import load_hf_config
+    from gspo_ascend.errors import ConfigError
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    monkeypatch.setattr(megatron_setup, "megatron_core_version", lambda: version)
+    hf = load_hf_config(str(ensure_tiny_model()))
+    assert (hf.num_attention_heads, hf.num_key_value_heads) == (2, 1)
+    cfg = _cfg("actor.tensor_parallel_size=2")
+    if not refused:
+        megatron_setup._check_model(cfg, hf, 2, on_cpu=True)
+        return
+    said = f"megatron-core {version or '(not installed)'} cannot replicate them (0.16.0 and later can)"
+    with pytest.raises(ConfigError, match=re.escape(f"num_key_value_heads (1) must divide by TP: {said}")):
+        megatron_setup._check_model(cfg, hf, 2, on_cpu=True)
 
 
 def test_unsupported_model_families_are_refused(tmp_path):

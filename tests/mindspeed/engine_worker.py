@@ -49,6 +49,8 @@ CASES = {
     "ms_dense_tp1": ("dense", [], ("count", "log_probs", "update", "describe")),
     "ms_moe_tp1": ("moe", [], ("count", "log_probs", "describe")),
     "ms_dense_tp2": ("dense_kv2", ["actor.tensor_parallel_size=2"], ("count", "log_probs", "update", "describe")),
+    # TP 2 over the tiny Qwen3's one KV head: megatron-core 0.16 replicates it (core_r0.16.0 only; 0.12.1 refuses)
+    "ms_dense_tp2_kv1": ("dense", ["actor.tensor_parallel_size=2"], ("count", "log_probs", "update", "describe")),
     "ms_moe_ep2": ("moe", ["actor.expert_parallel_size=2"], ("count", "log_probs", "update", "describe")),
     "ms_dense_cp2": ("dense", ["actor.context_parallel_size=2"], ("count", "log_probs", "update", "describe")),
     # MC2 (use_ascend_mc2) needs TP > 1, sequence parallelism and, by torch_npu 2.7.1's limits on its kernels, a
@@ -137,13 +139,16 @@ def describe(engine) -> dict:
     model = mb.unwrap(engine.models[0])
     layer = model.decoder.layers[0]
     keys = ("use_flash_attn", "use_fused_rmsnorm", "use_fused_rotary_pos_emb", "moe_grouped_gemm",
-            "use_ascend_mc2", "bias_activation_fusion", "context_parallel_algo", "sparse_mode")  # fmt: skip
+            "use_ascend_mc2", "bias_activation_fusion", "context_parallel_algo")  # fmt: skip
+    # MindSpeed sets sparse_mode at the first forward on the core attention's config, which megatron-core 0.16
+    # deep-copies from the model's where TP exceeds the KV heads (transformer/attention.py: tmp_config)
+    core_config = layer.self_attention.core_attention.config
     inner = [type(sub.optimizer).__module__ + "." + type(sub.optimizer).__name__ for sub in engine._sub_optimizers()]
     targets = {t for registered in mindspeed_setup.registered_features().values() for t in registered}
     outside = sorted(t for t in targets if not t.startswith("megatron."))
     return {
         "calls": dict(_calls),
-        "config": {k: getattr(engine.tconfig, k, None) for k in keys},
+        "config": {**{k: getattr(engine.tconfig, k, None) for k in keys}, "sparse_mode": core_config.sparse_mode},
         "core_attention": type(layer.self_attention.core_attention).__name__,
         "norm": type(layer.input_layernorm).__module__,
         "experts": type(layer.mlp.experts).__name__ if engine.moe else None,

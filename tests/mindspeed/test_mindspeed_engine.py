@@ -48,7 +48,9 @@ MC2_TOL = 2e-2
 BF16_TOL = 3e-2
 MC2_METRIC_RTOL = 1e-2
 ONE_PROCESS = ["fsdp_dense", "fsdp_kv2", "fsdp_moe", "old_dense", "old_moe", "ms_dense_tp1", "ms_moe_tp1"]
-TWO_PROCESSES = ["old_cp2", "ms_dense_tp2", "ms_moe_ep2", "ms_dense_cp2", "ms_wide_sp2", "ms_wide_mc2"]
+TWO_PROCESSES = [
+    "old_cp2", "ms_dense_tp2", "ms_dense_tp2_kv1", "ms_moe_ep2", "ms_dense_cp2", "ms_wide_sp2", "ms_wide_mc2"
+]  # fmt: skip
 MODEL_OF = {"ms_moe_tp1": "moe", "ms_moe_ep2": "moe", "ms_dense_tp2": "dense_kv2"}
 OLD_COMMIT_MISSING = "the old engine's commit is not in this checkout (shallow clone?)"
 # The old engine's first forward without use_flash_attn ends in MindSpeed's mask generation
@@ -117,6 +119,12 @@ def _old_commit_present() -> bool:
     return proc.returncode == 0
 
 
+def _replicates_kv_heads() -> bool:
+    from gspo_ascend.megatron_settings import megatron_core_version, replicates_kv_heads
+
+    return replicates_kv_heads(megatron_core_version())
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(out dir, {case: {rank: result}}), produced once for the module."""
@@ -132,6 +140,8 @@ def run(tmp_path_factory):
     two = [c for c in TWO_PROCESSES if old or not c.startswith("old_")]
     if _mc2_refused():  # the config refuses it on this branch (test_mc2_is_refused_where_mindspeed_cannot_build_it)
         two.remove("ms_wide_mc2")
+    if not _replicates_kv_heads():  # the engine refuses it on megatron-core 0.12.1 (test_tp_over_one_kv_head)
+        two.remove("ms_dense_tp2_kv1")
     engine_worker.launch_worlds(out, [(1, one), (2, two)], TIMEOUT_S)
     return out, rank_results(out)
 
@@ -192,9 +202,43 @@ def test_gspo_update_matches_fsdp(run, case, reference):
     assert max(float((theirs_w[n] - initial[n]).abs().max()) for n in initial) > 1e-5  # the update moved them
 
 
-@pytest.mark.parametrize("case", ["ms_dense_tp1", "ms_moe_tp1", "ms_dense_tp2", "ms_moe_ep2", "ms_dense_cp2"])
+KV1_REFUSED = (
+    "megatron-core 0.12.1 cannot replicate KV heads: the engine refuses TP 2 on one (test_tp_over_one_kv_head)"
+)
+
+
+def test_tp_over_one_kv_head_matches_hugging_face_and_fsdp_where_megatron_core_replicates(request):
+    """TP 2 over the tiny Qwen3's one KV head (the 30B's 4 KV heads at TP 8, scaled down): on core_r0.16.0
+    megatron-core 0.16 all-gathers the QKV projection over TP and each rank keeps the KV head and its own query
+    head, through MindSpeed's flash attention (TND); log-probs equal HF's, the update fsdp's. On 0.12.1 the engine
+    refuses it in one line, before megatron is imported."""
+    from gspo_ascend.config import load_config
+    from gspo_ascend.engines.megatron_bridge import load_hf_config
+    from gspo_ascend.engines.megatron_setup import _check_model
+    from gspo_ascend.errors import ConfigError
+    from gspo_ascend.tiny import ensure_tiny_model
+    from tests.integration.megatron_engine_worker import BASE
+    from tests.integration.test_megatron_engine import assert_update_matches
+    from tests.mindspeed.reference import assert_rank_log_probs
+
+    if not _replicates_kv_heads():
+        cfg = load_config(None, [*BASE, "trainer.device=npu", "actor.tensor_parallel_size=2"])
+        with pytest.raises(ConfigError, match=r"num_key_value_heads \(1\) must divide by TP: megatron-core 0\.12"):
+            _check_model(cfg, load_hf_config(str(ensure_tiny_model())), 2, on_cpu=False)
+        return
+    run, reference, batch = (request.getfixturevalue(name) for name in ("run", "hf_reference", "batch"))
+    ranks = run[1]["ms_dense_tp2_kv1"]
+    assert_rank_log_probs(ranks, reference["dense"], batch)
+    assert_update_matches(ranks, run[1]["fsdp_dense"][0])
+
+
+@pytest.mark.parametrize(
+    "case", ["ms_dense_tp1", "ms_moe_tp1", "ms_dense_tp2", "ms_dense_tp2_kv1", "ms_moe_ep2", "ms_dense_cp2"]
+)
 def test_mindspeed_features_run_in_the_engine(run, case):
     """The fused kernels the config asks for are what the engine's model really calls."""
+    if case not in run[1]:
+        pytest.skip(KV1_REFUSED)
     for result in run[1][case].values():
         calls, config = result["calls"], result["config"]
         assert config["use_flash_attn"] and config["use_fused_rmsnorm"] and config["use_fused_rotary_pos_emb"]

@@ -101,7 +101,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     ctx = Context(sysroot=sysroot, planned=planned, versions_file=args.versions)
     config_checks = None
     if args.config or args.overrides:
-        ctx.config, config_checks = preflight_file(args.config, args.overrides)
+        ctx.config, config_checks = preflight_file(args.config, args.overrides, versions=planned)
     results = run_checks(ctx, config_checks)
     print(render_json(results) if args.json else render_text(results))
     return exit_code(results)

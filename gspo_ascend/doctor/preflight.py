@@ -95,9 +95,13 @@ def rule_world(cfg, spec: ModelSpec | None) -> Iterable[Check]:
     )
 
 
-def rule_heads(cfg, spec: ModelSpec | None) -> Iterable[Check]:
+_INSTALLED = object()  # rule_heads: the megatron-core installed here, unless doctor --versions plans another
+
+
+def rule_heads(cfg, spec: ModelSpec | None, megatron_core: str | None | object = _INSTALLED) -> Iterable[Check]:
     """Megatron (ValueError in TransformerConfig): heads split evenly over TP, and so do the KV heads, or TP over
-    them where megatron-core replicates them (0.16 on: megatron_settings.replicates_kv_heads)."""
+    them where megatron-core replicates them (0.16 on: megatron_settings.replicates_kv_heads). ``megatron_core``:
+    the version to judge by (None: not known), by default the installed one's."""
     tp = cfg.actor.tensor_parallel_size
     if spec is None or cfg.actor.engine != "megatron" or tp == 1:
         return
@@ -124,7 +128,7 @@ def rule_heads(cfg, spec: ModelSpec | None) -> Iterable[Check]:
         return
     # TP a multiple of the KV heads: megatron-core >= 0.16 replicates them (CPU, CUDA and, under MindSpeed
     # core_r0.16.0, the NPU: tests/mindspeed ms_dense_tp2_kv1); what is installed here decides, where it is
-    version = megatron_settings.megatron_core_version()
+    version = megatron_settings.megatron_core_version() if megatron_core is _INSTALLED else megatron_core
     if version is not None and not megatron_settings.replicates_kv_heads(version):
         yield _check("heads", f"{field_error}; megatron-core {version} cannot replicate KV heads", "", fix)
         return
@@ -489,8 +493,9 @@ def pools_check(cfg, node_devices: int, where: str) -> list[Check]:
     return [_check("pools", problem, ok, fix)]
 
 
-def preflight(cfg, hardware=None) -> list[Check]:
-    """All findings for a loaded (not yet validated) config: the schema's cross-field rules, then ours."""
+def preflight(cfg, hardware=None, versions: dict[str, str] | None = None) -> list[Check]:
+    """All findings for a loaded (not yet validated) config: the schema's cross-field rules, then ours.
+    ``versions``: a planned stack (doctor --versions), judged instead of what is installed here."""
     from .. import config as config_mod
 
     checks = [
@@ -498,12 +503,15 @@ def preflight(cfg, hardware=None) -> list[Check]:
     ]
     spec, model = model_check(cfg)
     checks.append(model)
+    planned = {} if versions is None else {"megatron_core": versions.get("megatron-core")}
     for rule in RULES:
-        checks.extend(rule(cfg, spec))
+        checks.extend(rule_heads(cfg, spec, **planned) if rule is rule_heads else rule(cfg, spec))
     return checks + devices_check(cfg, hardware)
 
 
-def preflight_file(path: str | None, overrides=(), hardware=None) -> tuple[object | None, list[Check]]:
+def preflight_file(
+    path: str | None, overrides=(), hardware=None, versions: dict[str, str] | None = None
+) -> tuple[object | None, list[Check]]:
     """Load a config without raising on its content: a bad key becomes a fail finding, not a crash."""
     from .. import config as config_mod
     from ..errors import ConfigError
@@ -514,7 +522,7 @@ def preflight_file(path: str | None, overrides=(), hardware=None) -> tuple[objec
         if path is not None and "does not exist" in str(exc):
             raise
         return None, [Check("preflight:config", "fail", str(exc), "fix or remove the key named in the message")]
-    return cfg, preflight(cfg, hardware)
+    return cfg, preflight(cfg, hardware, versions)
 
 
 def failures(checks: list[Check]) -> list[Check]:

@@ -317,6 +317,19 @@ def test_doctor_planned_stack_under_a_sysroot(cli, tmp_path):
     assert "[fail] ascend-env: set_env.sh not sourced" in proc.stdout and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("stack", "status"), [(NPU_STACK, "fail"), (CURRENT_NPU_STACK, "warn")])
+def test_doctor_judges_tp_over_the_kv_heads_by_the_planned_megatron_core(cli, tmp_path, stack, status):
+    """--versions plans the stack: TP 8 on the 30B's 4 KV heads fails with the previous line's megatron-core 0.12.1,
+    which cannot replicate them, and warns with 0.16.0 (the all-gather), whatever is installed here."""
+    versions = tmp_path / "versions.json"
+    versions.write_text(json.dumps(stack))
+    config = str(REPO / "configs" / "qwen3_30b_a3b_gspo.yaml")
+    proc = cli("doctor", "--json", "--versions", str(versions), "--config", config, "actor.tensor_parallel_size=8")
+    heads = {c["name"]: c for c in json.loads(proc.stdout)}["preflight:heads"]
+    assert heads["status"] == status, heads
+    assert ("megatron-core 0.12.1 cannot replicate KV heads" in heads["finding"]) == (status == "fail")
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [

@@ -118,7 +118,13 @@ def layer_activation(cfg, spec: ModelSpec, i: int, tp: int) -> int:
     d = tp if cfg.actor.sequence_parallel and tp > 1 else 1
     q, kv = spec.heads_per_rank(tp)
     kv = max(kv, ulysses_size(cfg))  # Ulysses SP repeats KV heads up to SP before its all-to-all
-    elements = 4 * h / d + spec.head_dim * (2 * q + 2 * kv)
+    qkv = q + 2 * kv
+    if cfg.actor.engine == "megatron" and tp > spec.kv_heads:
+        # replicated KV heads: megatron-core 0.16 all-gathers the whole QKV projection over TP and slices this
+        # rank's heads out of it as views, which the q / k norms and the core attention save, so all of it is kept
+        # (measured on CPU, tiny Qwen3 at TP 2 over 1 KV head: one (heads + 2 KV) x head_dim storage per token)
+        qkv = spec.heads + 2 * spec.kv_heads
+    elements = 4 * h / d + spec.head_dim * (q + qkv)
     if spec.is_moe_layer(i):
         etp = cfg.actor.expert_tensor_parallel_size
         elements += spec.top_k * (2 * h + 3 * spec.moe_intermediate / etp) / d + 3 * spec.shared_intermediate / tp

@@ -45,9 +45,9 @@ CASES = {
     # right-padded micro-batches (the default is one packed THD row per micro-batch)
     "dense_padded": ("dense", ["actor.use_remove_padding=false"], ("log_probs", "update")),
     "moe_padded": ("moe", ["actor.use_remove_padding=false"], ("log_probs",)),
-    "dense_tp2": ("dense_kv2", ["actor.tensor_parallel_size=2"], ("log_probs", "export", "update")),
+    "dense_tp2": ("dense_kv2", ["actor.tensor_parallel_size=2"], ("log_probs", "export", "update", "saved")),
     # TP 2 over the one KV head of the tiny Qwen3: megatron-core >= 0.16 replicates it on both TP ranks
-    "dense_tp2_kv1": ("dense", ["actor.tensor_parallel_size=2"], ("log_probs", "export", "update")),
+    "dense_tp2_kv1": ("dense", ["actor.tensor_parallel_size=2"], ("log_probs", "export", "update", "saved")),
     "dense_pp2": ("dense", ["actor.pipeline_parallel_size=2"], ("log_probs", "export", "update")),
     "dense_dp2": ("dense", [], ("log_probs", "update")),  # data parallel: DDP sums, distributed optimizer shards
     "moe_ep2": ("moe", ["actor.expert_parallel_size=2"], ("log_probs", "export", "checkpoint")),
@@ -145,12 +145,46 @@ def run_case(case: str, out: Path, rank: int, world: int) -> None:
             result.update(checkpoint_round_trip(engine, case, out, rank, world, batches))
         elif job == "offload":
             result.update(offload_round_trip(engine, mine))
+        elif job == "saved":
+            result["attention_saved_per_token"] = attention_saved_per_token(engine)
         elif job == "nan":
             result.update(nan_step(engine, dp_shard(batch, rank, world, MINIBATCHES)))
         elif job in EXTRA_JOBS:
             result.update(EXTRA_JOBS[job](engine))
     engine.close()
     torch.save(result, out / f"{case}.rank{rank}.pt")
+
+
+def attention_saved_per_token(engine, tokens: int = 64) -> float:
+    """Bytes per token that the first layer's self-attention keeps for backward in one training forward of one
+    ``tokens``-long sequence: the storages autograd saves while it runs (saved_tensors_hooks), each counted once,
+    parameters left out. What the planner's layer_activation estimates, measured."""
+    from gspo_ascend.engines import megatron_bridge as mb
+
+    model = mb.unwrap(engine.models[0])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def hooked(module, args, kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return forward(*args, **kwargs)
+
+    attention = model.decoder.layers[0].self_attention
+    forward = attention.forward
+    attention.forward = lambda *a, **k: hooked(attention, a, k)
+    try:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, 400, (1, tokens), generator=g)
+        model(input_ids=ids, position_ids=torch.arange(tokens)[None], attention_mask=None)
+    finally:
+        del attention.forward  # the class's again
+    return sum(saved.values()) / tokens
 
 
 def nan_step(engine, batch: SampleBatch) -> dict:

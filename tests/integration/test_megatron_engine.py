@@ -364,6 +364,24 @@ def test_parallel_sizes_that_do_not_fit_the_model_are_refused(moe, kv_heads, ove
         _check_model(_cfg(*overrides), hf, world, on_cpu=True)
 
 
+def test_planner_counts_what_replicated_kv_heads_keep_for_backward(run):
+    """The planner's attention activations against autograd's saved storages, measured in the first layer: TP 2
+    over the one KV head (replicated: megatron-core 0.16 keeps the whole all-gathered QKV projection, 2 + 2 x 1
+    heads) against TP 2 over two (each rank its own: 1 + 2 x 1); same hidden size, MLP and query heads per rank,
+    so the difference is the replication's, 1 x head_dim x 4 bytes a token by hand."""
+    from gspo_ascend.doctor.modelspec import load_spec
+    from gspo_ascend.doctor.planner import layer_activation
+    from tests.integration.megatron_engine_worker import model_path
+
+    out, results = run
+    cfg = _cfg("actor.tensor_parallel_size=2", "model.dtype=float32")
+    planned = {kind: layer_activation(cfg, load_spec(model_path(kind, out)), 0, 2) for kind in ("dense", "dense_kv2")}
+    measured = {case: results[case][0]["attention_saved_per_token"] for case in ("dense_tp2_kv1", "dense_tp2")}
+    head_dim = load_spec(model_path("dense", out)).head_dim
+    assert planned["dense"] - planned["dense_kv2"] == head_dim * 4
+    assert measured["dense_tp2_kv1"] - measured["dense_tp2"] == head_dim * 4
+
+
 @pytest.mark.parametrize(("version", "refused"), [("0.12.1", True), ("0.15.0", True), ("0.16.0", False), (None, True)])
 def test_tp_over_more_ranks_than_kv_heads_needs_megatron_core_0_16(monkeypatch, version, refused):
     """The tiny Qwen3's one KV head at TP 2: megatron-core 0.16.0 replicates it (dense_tp2_kv1 above runs it), the

@@ -46,3 +46,14 @@ def replicates_kv_heads(version: str | None) -> bool:
     0.12.1 through 0.15.0 refuse ("must be a multiple of tensor_model_parallel_size", read in each release's
     wheel)."""
     return version is not None and release(version) >= (0, 16, 0)
+
+
+def kv_heads_layout(kv_heads: int, tp: int, version: str | None) -> str:
+    """How megatron-core ``version`` lays ``kv_heads`` over TP ``tp``: "split" (TP divides them), "replicated" (TP a
+    multiple of them, a release that replicates), "refused" (TP a multiple, a release that cannot, or an unknown
+    one: None), "mismatch" (neither divides the other). The engine refuses the last two; the preflight reports."""
+    if kv_heads % tp == 0:
+        return "split"
+    if tp % kv_heads:
+        return "mismatch"
+    return "replicated" if replicates_kv_heads(version) else "refused"

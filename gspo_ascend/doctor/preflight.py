@@ -115,7 +115,12 @@ def rule_heads(cfg, spec: ModelSpec | None, megatron_core: str | None | object =
         )
         return
     kv = spec.kv_heads
-    if kv % tp == 0:
+    # megatron-core >= 0.16 replicates KV heads over a TP that is a multiple of them (CPU, CUDA and, under MindSpeed
+    # core_r0.16.0, the NPU: tests/mindspeed ms_dense_tp2_kv1); the installed (or planned) release decides, and
+    # where none is known the rule is said as a warning: the cluster's release decides
+    version = megatron_settings.megatron_core_version() if megatron_core is _INSTALLED else megatron_core
+    layout = megatron_settings.kv_heads_layout(kv, tp, version)
+    if layout == "split":
         yield _check("heads", None, f"{spec.heads} heads / {kv} KV heads split over TP {tp}", "")
         return
     field_error = (
@@ -123,13 +128,10 @@ def rule_heads(cfg, spec: ModelSpec | None, megatron_core: str | None | object =
         f"num_key_value_heads={kv} (actor.tensor_parallel_size={tp})"
     )
     fix = f"set actor.tensor_parallel_size to a divisor of {kv} ({divisors(kv)})"
-    if tp % kv:
+    if layout == "mismatch":
         yield _check("heads", field_error, "", fix)
         return
-    # TP a multiple of the KV heads: megatron-core >= 0.16 replicates them (CPU, CUDA and, under MindSpeed
-    # core_r0.16.0, the NPU: tests/mindspeed ms_dense_tp2_kv1); what is installed here decides, where it is
-    version = megatron_settings.megatron_core_version() if megatron_core is _INSTALLED else megatron_core
-    if version is not None and not megatron_settings.replicates_kv_heads(version):
+    if layout == "refused" and version is not None:
         yield _check("heads", f"{field_error}; megatron-core {version} cannot replicate KV heads", "", fix)
         return
     yield _check(

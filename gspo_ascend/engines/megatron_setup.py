@@ -19,7 +19,7 @@ from gspo_ascend.engines import megatron_cp as cp_support
 from gspo_ascend.engines import mindspeed_setup
 from gspo_ascend.engines.megatron_compat import patch_megatron_core
 from gspo_ascend.errors import ConfigError, UserError
-from gspo_ascend.megatron_settings import megatron_core_version, replicates_kv_heads
+from gspo_ascend.megatron_settings import kv_heads_layout, megatron_core_version
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -104,13 +104,12 @@ def _check_config(cfg: Config, backend: Backend) -> None:
 
 
 def _kv_heads_fit(kv: int, tp: int) -> tuple[bool, str]:
-    if kv % tp == 0:
-        return True, ""
     version = megatron_core_version()
-    if tp % kv == 0:  # replicated KV heads: what the installed release can do
-        why = f"megatron-core {version or '(not installed)'} cannot replicate them (0.16.0 and later can)"
-        return replicates_kv_heads(version), f"num_key_value_heads ({kv}) must divide by TP: {why}"
-    return False, f"num_key_value_heads ({kv}) and TP must divide one by the other"
+    layout = kv_heads_layout(kv, tp, version)
+    if layout == "mismatch":
+        return False, f"num_key_value_heads ({kv}) and TP must divide one by the other"
+    why = f"megatron-core {version or '(not installed)'} cannot replicate them (0.16.0 and later can)"
+    return layout != "refused", f"num_key_value_heads ({kv}) must divide by TP: {why}"
 
 
 def _check_model(cfg: Config, hf: Any, world: int, on_cpu: bool) -> None:

@@ -171,13 +171,14 @@ def attention_saved_per_token(engine, tokens: int = 64) -> float:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    def hooked(module, args, kwargs):
+    attention = model.decoder.layers[0].self_attention
+    forward = attention.forward
+
+    def hooked(*args, **kwargs):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return forward(*args, **kwargs)
 
-    attention = model.decoder.layers[0].self_attention
-    forward = attention.forward
-    attention.forward = lambda *a, **k: hooked(attention, a, k)
+    attention.forward = hooked
     try:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, 400, (1, tokens), generator=g)

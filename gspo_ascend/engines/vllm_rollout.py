@@ -124,6 +124,7 @@ from .vllm_env import (
     _max_model_len,
     _warn_late_process_env,
     apply_env_defaults,
+    cpu_build_route_gap,
     cpu_build_runs_external_launcher,
     external_launcher_env,
     kv_cache_gib,
@@ -327,22 +328,36 @@ class EngineSteps:
             if sample.logprobs is None or len(sample.logprobs) != len(tokens):
                 raise RuntimeError(f"vLLM returned {len(tokens)} tokens without their log-probs for {out.request_id}")
             logps = [lp[t].logprob for lp, t in zip(sample.logprobs, tokens, strict=True)]
-            dtype = self.rollout.route_dtype
-            routes = (
-                None if dtype is None else sample_routes(sample, len(out.prompt_token_ids) + len(tokens) - 1, dtype)
-            )
+            routes = self.rollout.sample_routes(sample, len(out.prompt_token_ids) + len(tokens) - 1)
             done.append((int(out.request_id.split("-")[1]), tokens, logps, sample.finish_reason == "stop", routes))
         return done
 
 
 def sample_routes(sample: Any, fed: int, dtype: torch.dtype) -> torch.Tensor:
     """One sample's routes from vLLM's ``CompletionOutput.routed_experts`` ([tokens fed, layers, k], numpy): every
-    prompt token and every sampled token but the last, the layout of ``SampleBatch.routed_experts``."""
+    prompt token and every sampled token but the last, the layout of ``SampleBatch.routed_experts``.
+
+    A top-k set names k different experts; one that repeats an expert is a capture buffer the MoE kernel never
+    wrote (vLLM fills it from the router's hook, which kernels that route inside themselves skip: its CPU build
+    before 0.28 returns expert 0 everywhere), and replaying it would train on experts nobody chose: refused."""
     got = getattr(sample, "routed_experts", None)
     if got is None or got.shape[0] != fed:
         shape = None if got is None else tuple(got.shape)
         raise RuntimeError(f"vLLM returned routes of shape {shape} for a sample that fed {fed} tokens")
-    return torch.from_numpy(got.astype("int64")).to(dtype)
+    routes = torch.from_numpy(got.astype("int64"))
+    ordered = routes.sort(-1).values
+    repeats = (ordered[..., 1:] == ordered[..., :-1]).any(-1).nonzero()
+    if len(repeats):
+        token, layer = repeats[0].tolist()
+        raise UncapturedRoutes(
+            f"vLLM returned a top-{routes.shape[-1]} route naming one expert twice (token {token}, layer {layer}: "
+            f"{routes[token, layer].tolist()}): its MoE kernel routes past the router's capture hook"
+        )
+    return routes.to(dtype)
+
+
+class UncapturedRoutes(RuntimeError):
+    """vLLM handed back a capture buffer its MoE kernel never wrote (:func:`sample_routes`)."""
 
 
 class VLLMRolloutEngine:
@@ -416,15 +431,15 @@ class VLLMRolloutEngine:
 
     def _route_dtype(self, hf_config: dict) -> torch.dtype | None:
         """An MoE model's routes come back with every sample (vLLM's ``enable_return_routed_experts``) where vLLM can
-        capture them: not on its CPU build, where the capture needs Model Runner V2 and that needs Triton (vLLM
-        0.32's ``VllmConfig`` refuses it; docs/stack-0.23.md). There r3 is refused and the routing agreement metrics
-        are not measured, said once."""
+        capture them: on a device build, and on the CPU builds 0.28-0.30 (:func:`cpu_build_route_gap` says why
+        the others cannot; docs/stack-0.23.md). Elsewhere r3 is refused and the routing agreement metrics are not
+        measured, said once."""
         experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")  # Qwen-MoE / Mixtral names
         if not experts:
             return None
-        if not self.host_build:
+        why = cpu_build_route_gap() if self.host_build else None
+        if why is None:
             return routing.route_dtype(int(experts))
-        why = "vLLM's CPU build cannot return the experts it routed to (Model Runner V2 needs Triton)"
         if self.cfg.actor.routing_replay == "r3":
             raise ConfigError(
                 f"config key 'actor.routing_replay' (r3) replays the rollout engine's routes: {why}; use "
@@ -432,6 +447,23 @@ class VLLMRolloutEngine:
             )
         log.warning("vllm rollout: no routes with the samples, so no routing/rollout_agreement: %s", why)
         return None
+
+    def sample_routes(self, sample: Any, fed: int) -> torch.Tensor | None:
+        """One sample's routes (:func:`sample_routes`), None where none are asked for. A buffer vLLM never wrote
+        fails r3 in one line; otherwise the agreement metrics stop, said once, and training goes on."""
+        if self.route_dtype is None:
+            return None
+        try:
+            return sample_routes(sample, fed, self.route_dtype)
+        except UncapturedRoutes as e:
+            if self.cfg.actor.routing_replay == "r3":
+                raise ConfigError(
+                    f"config key 'actor.routing_replay' (r3) replays the rollout engine's routes: {e}; use r2, or a "
+                    "vLLM MoE backend that routes through its router"
+                ) from None
+            log.warning("vllm rollout: no routes with the samples from here on, so no routing/rollout_agreement: %s", e)
+            self.route_dtype = None
+            return None
 
     @_beside_mindspeed
     def _build_llm(self, model_path: str) -> Any:
@@ -595,11 +627,10 @@ class VLLMRolloutEngine:
                     [step[t].logprob for step, t in zip(sample.logprobs, tokens, strict=True)]
                 )
                 finished[row] = sample.finish_reason == "stop"  # "length": cut at max_tokens
-                if self.route_dtype is not None:
-                    routes.append(sample_routes(sample, len(q.prompt_ids) + length - 1, self.route_dtype))
+                routes.append(self.sample_routes(sample, len(q.prompt_ids) + length - 1))
                 row += 1
         return SampleBatch(
-            routed_experts=routes if self.route_dtype is not None else None,
+            routed_experts=routes if self.route_dtype is not None else None,  # None too where capture failed
             prompt_ids=[list(requests[j].prompt_ids) for j in rows],
             response_ids=ids,
             response_mask=mask,

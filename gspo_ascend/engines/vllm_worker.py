@@ -89,7 +89,9 @@ class WeightSyncExtension:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights
             getattr(self.model_runner, reset, lambda: None)()
         expected = {name for name, _ in model.named_parameters()}
-        return sorted(expected - loaded)
+        # vLLM 0.30 keeps a MoE layer's expert weights in a ``routed_experts`` child of the layer and its
+        # load_weights names them as the layer's own (``mlp.experts.w13_weight``): the same parameter, loaded
+        return sorted(n for n in expected - loaded if n.replace(".routed_experts.", ".") not in loaded)
 
 
 def _undo_ascend_wake_transpose(model: torch.nn.Module) -> int:

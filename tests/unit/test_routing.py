@@ -435,7 +435,51 @@ def test_vllm_is_asked_for_routes_on_an_moe_model(monkeypatch):
     engine.sampling_seed = 0  # __init__'s (rollout.seed_requests)
     vllm_rollout.VLLMRolloutEngine._build_llm.__wrapped__(engine, "unused")
     assert seen["enable_return_routed_experts"] is True
+    assert "moe_backend" not in seen  # the host: vLLM's CPU kernel, whatever it is (cpu_build_route_gap)
     seen.clear()
     engine.route_dtype = None
     vllm_rollout.VLLMRolloutEngine._build_llm.__wrapped__(engine, "unused")
     assert "enable_return_routed_experts" not in seen
+
+
+@pytest.mark.parametrize(
+    ("capability", "release", "expected"),
+    [
+        ((9, 0), (0, 23), None),  # H100, H20, H200: Triton first (vLLM 0.23's oracle/unquantized.py), routed
+        ((8, 0), (0, 23), None),  # A100: FlashInfer TRTLLM unsupported (sm 10.x alone), CUTLASS / Triton modular
+        ((12, 0), (0, 23), None),  # RTX Blackwell: TRTLLM unsupported there too
+        ((10, 0), (0, 23), "triton"),  # B200: FlashInfer TRTLLM, monolithic, first: no routes by default
+        ((10, 3), (0, 23), "triton"),  # B300, the same family
+        ((10, 0), (0, 11), None),  # before the oracle: no moe_backend to pass (sample_routes still refuses)
+    ],
+)
+def test_vllm_is_given_a_moe_kernel_that_returns_routes_where_its_default_does_not(
+    monkeypatch, caplog, capability, release, expected
+):
+    """vLLM 0.23 on CUDA picks its unquantized MoE kernel by the device (tests/conformance/test_vllm_moe_backend.py
+    holds these facts to the wheel): on sm 10.x the default routes inside its kernel and leaves the route buffer
+    unwritten, so where routes are asked for the engine names Triton, said in one line; elsewhere it passes
+    nothing and vLLM keeps its default."""
+    vllm = pytest.importorskip("vllm")
+    from gspo_ascend.device import Backend
+    from gspo_ascend.engines import vllm_env, vllm_rollout
+
+    seen = {}
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(vllm_env, "vllm_release", lambda: release)
+    monkeypatch.setattr(Backend, "compute_capability", lambda self, index=0: capability)
+    engine = vllm_rollout.VLLMRolloutEngine.__new__(vllm_rollout.VLLMRolloutEngine)
+    engine.cfg, engine.backend, engine.host_build, engine.external_launcher = engine_config(), CPU, False, False
+    engine.max_model_len, engine.route_dtype, engine.sampling_seed = 256, torch.uint8, 0
+    with caplog.at_level("WARNING"):
+        vllm_rollout.VLLMRolloutEngine._build_llm.__wrapped__(engine, "unused")
+    assert seen["enable_return_routed_experts"] is True and seen.get("moe_backend") == expected
+    said = [r.getMessage() for r in caplog.records if "moe_backend=" in r.getMessage()]
+    if expected is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and f"sm {capability[0]}.{capability[1]}" in said[0] and "FlashInfer TRTLLM" in said[0]
+    seen.clear()
+    engine.route_dtype = None  # a dense model: nothing asked, nothing changed
+    vllm_rollout.VLLMRolloutEngine._build_llm.__wrapped__(engine, "unused")
+    assert "moe_backend" not in seen

@@ -6,7 +6,10 @@ split over TP, which the engine enforces and the preflight (doctor/preflight.py)
 
 from __future__ import annotations
 
+import ast
+import importlib.machinery
 import importlib.metadata
+from pathlib import Path
 
 from .doctor.versions import release
 
@@ -29,13 +32,43 @@ def grad_bytes_per_param(model_dtype_bytes: int) -> int:
     return 4 if GRAD_REDUCE_IN_FP32 else model_dtype_bytes
 
 
-def megatron_core_version() -> str | None:
-    """The installed megatron-core's version, read from its distribution metadata: nothing is imported (the engine
-    must not import ``megatron.core`` before MindSpeed has patched it; the doctor runs without it)."""
+def megatron_core_version(path: list[str] | None = None) -> str | None:
+    """The version of the ``megatron.core`` an import would load from ``path`` (default ``sys.path``), read from
+    its ``package_info.py`` without importing it (the engine must not import ``megatron.core`` before MindSpeed has
+    patched it; the doctor runs without it); the megatron-core distribution's metadata where no such file is found.
+
+    Not the metadata first: on NPU the Megatron-LM checkout MindSpeed needs (``megatron.training``) goes first on
+    each worker's PYTHONPATH, so ``megatron.core`` comes from the checkout whatever pip installed beside it."""
+    found = _package_info(path)
+    if found is not None:
+        return found
     try:
         return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _package_info(path: list[str] | None) -> str | None:
+    """``megatron/core/package_info.py``'s MAJOR.MINOR.PATCH + PRE_RELEASE where the import system would find
+    ``megatron.core`` (PathFinder: a regular ``megatron`` package anywhere on the path wins, else the namespace
+    package of every ``megatron`` folder, in path order); None where there is none or it has no such constants."""
+    top = importlib.machinery.PathFinder.find_spec("megatron", path)  # finds, never executes
+    locations = list(top.submodule_search_locations or []) if top is not None else []
+    core = importlib.machinery.PathFinder.find_spec("megatron.core", locations) if locations else None
+    if core is None or not core.origin:
+        return None
+    info = Path(core.origin).parent / "package_info.py"
+    if not info.is_file():
+        return None
+    names = {"MAJOR", "MINOR", "PATCH", "PRE_RELEASE"}
+    values = {}
+    for node in ast.parse(info.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and getattr(node.targets[0], "id", None) in names:
+            if isinstance(node.value, ast.Constant):
+                values[node.targets[0].id] = node.value.value
+    if not {"MAJOR", "MINOR", "PATCH"} <= set(values):
+        return None
+    return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE') or ''}"
 
 
 def replicates_kv_heads(version: str | None) -> bool:

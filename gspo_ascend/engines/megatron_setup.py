@@ -108,7 +108,7 @@ def _kv_heads_fit(kv: int, tp: int) -> tuple[bool, str]:
     layout = kv_heads_layout(kv, tp, version)
     if layout == "mismatch":
         return False, f"num_key_value_heads ({kv}) and TP must divide one by the other"
-    why = f"megatron-core {version or '(not installed)'} cannot replicate them (0.16.0 and later can)"
+    why = f"megatron-core {version or 'of unknown version'} cannot replicate them (0.16.0 and later can)"
     return layout != "refused", f"num_key_value_heads ({kv}) must divide by TP: {why}"
 
 

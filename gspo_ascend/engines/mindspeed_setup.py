@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -69,11 +70,6 @@ def enabled(backend: Any) -> bool:
     return True if not backend.emulated else installed()
 
 
-# doctor's name of the MindSpeed branch whose MC2 linears cannot be built on its megatron-core (core_r0.16.0: pip's
-# 0.16.0); tests/mindspeed/test_mindspeed_engine.py builds one to show the TypeError is still there
-MC2_BROKEN_BRANCH = "0.16.0"
-
-
 def installed_branch() -> str | None:
     """The installed MindSpeed branch as doctor names it (read from its files, nothing imported), or None."""
     from ..doctor.packages import mindspeed_branch, mindspeed_package_dir
@@ -97,13 +93,6 @@ def check_mc2(cfg: Config) -> None:
         raise ConfigError(
             "config key 'actor.use_mc2' needs model.dtype bfloat16 or float16: torch_npu's MC2 kernels "
             "(npu_all_gather_base_mm, npu_mm_reduce_scatter_base) take no float32; set model.dtype: bfloat16"
-        )
-    if a.use_mc2 and installed_branch() == MC2_BROKEN_BRANCH:
-        raise ConfigError(
-            "config key 'actor.use_mc2': MindSpeed core_r0.16.0's MC2 linears take no tp_group, which megatron-core "
-            "0.16's attention passes them (mindspeed/core/tensor_parallel/mc2_feature/mc2_row_parallel_linear.py; "
-            "megatron/core/transformer/attention.py:360), so the model cannot be built; set actor.use_mc2: false "
-            "(sequence parallelism alone runs) or use MindSpeed 26.1.0_core_r0.12.1 with megatron-core 0.12.1"
         )
 
 
@@ -314,6 +303,7 @@ def apply(args: dict[str, Any]) -> dict[str, tuple[str, ...]]:
         adaptor.repatch(dict(args))
     _last = {name: tuple(dict.fromkeys(targets)) for name, targets in records.items() if targets}
     _fix_float64_all_reduce(MindSpeedPatchesManager)
+    _fix_mc2_tp_group(MindSpeedPatchesManager)
     return dict(_last)
 
 
@@ -364,6 +354,63 @@ def _fix_float64_all_reduce(manager: type) -> None:
         return
     manager.register_patch(ALL_REDUCE, float64_all_reduce_copy_back_wrapper)
     manager.apply_patches()
+
+
+MC2_LINEARS = (
+    "megatron.core.tensor_parallel.layers.ColumnParallelLinear",
+    "megatron.core.tensor_parallel.layers.RowParallelLinear",
+)
+
+
+def mc2_tp_group_wrapper(cls: type) -> type:
+    """MindSpeed core_r0.16.0's MC2 linear ``cls`` (``core/tensor_parallel/mc2_feature/adaptor.py``), taking the
+    ``tp_group`` megatron-core 0.16 passes every column / row parallel linear (``transformer/attention.py:360``,
+    ``tensor_parallel/layers.py``): MindSpeed's ``__init__`` takes none (a TypeError at model build, so MC2 could
+    not run on the pinned NPU line) and runs on the TP group of megatron's parallel state instead. The group
+    megatron passes is checked to be that one (the only group our layouts give a non-expert linear: MindSpeed's own
+    expert branch never fires, ``getattr(kwargs, 'is_expert')`` reads a dict's attribute) and kept as the linear's
+    ``tp_group``, as megatron's own linears keep it. Installed through MindSpeed's patch manager as a wrapper of its
+    replacement, so MindSpeed's next ``repatch`` removes it with its own and :func:`apply` adds it again."""
+
+    def __init__(self, *args: Any, tp_group: Any = None, **kwargs: Any) -> None:
+        from megatron.core import parallel_state
+
+        own = parallel_state.get_tensor_model_parallel_group()
+        if tp_group is not None and tp_group is not own:
+            raise RuntimeError(
+                f"MindSpeed's MC2 linear {cls.__name__} runs on megatron's tensor-parallel group, but megatron-core "
+                "built it with another tp_group; set actor.use_mc2: false for this layout"
+            )
+        cls.__init__(self, *args, **kwargs)
+        self.tp_group = own
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__, "__qualname__": cls.__qualname__})
+
+
+def _fix_mc2_tp_group(manager: type) -> None:
+    """Wrap MindSpeed's MC2 linears with :func:`mc2_tp_group_wrapper` where MC2 registered them and they lack
+    megatron's ``tp_group`` argument (core_r0.16.0 on megatron-core 0.16; 26.1.0's on 0.12.1 have no such argument
+    to take), and apply it."""
+    import inspect
+
+    changed = False
+    for target in MC2_LINEARS:
+        patch = manager.patches_info.get(target)
+        if patch is None or patch.patch_func is None or mc2_tp_group_wrapper in patch.wrappers:
+            continue
+        megatron_takes = "tp_group" in inspect.signature(patch.orig_func or _attr_path(target)).parameters
+        # MindSpeed's adaptor class passes **kwargs on to its MC2*Impl, whose __init__ names what it takes
+        impl = next((c for c in patch.patch_func.__mro__ if c.__name__.endswith("ParallelLinearImpl")), None)
+        if megatron_takes and impl is not None and "tp_group" not in inspect.signature(impl.__init__).parameters:
+            manager.register_patch(target, mc2_tp_group_wrapper)
+            changed = True
+    if changed:
+        manager.apply_patches()
+
+
+def _attr_path(target: str) -> Any:
+    module, name = target.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
 def registered_features() -> dict[str, tuple[str, ...]]:

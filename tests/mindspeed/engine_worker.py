@@ -129,6 +129,16 @@ def count_fused_ops(engine) -> dict:
     return {}
 
 
+def _mc2_linears(model) -> dict:
+    """The MC2 linears of the built model: each one's class, and whether it is ``mindspeed_setup``'s wrapper of
+    MindSpeed's (the class our ``mc2_tp_group_wrapper`` makes lives in that module)."""
+    found = {name: type(m) for name, m in model.named_modules() if type(m).__name__.startswith("MindSpeedMC2")}
+    return {
+        "mc2_linears": {name: cls.__name__ for name, cls in found.items()},
+        "mc2_wrapped": {name: cls.__module__ == "gspo_ascend.engines.mindspeed_setup" for name, cls in found.items()},
+    }
+
+
 def describe(engine) -> dict:
     """What the engine built under MindSpeed: the fused-op calls since ``count``, the MindSpeed fields of the model's
     TransformerConfig, the classes of core attention / experts / optimizer, and MindSpeed's patch targets outside
@@ -155,6 +165,7 @@ def describe(engine) -> dict:
         "optimizer": inner,
         "process_wide_targets": outside,
         "float64_all_reduce": _float64_all_reduce(engine),
+        **_mc2_linears(model),
         **_process_wide_behaviour(),
         "lifted": _lifted_behaviour(),
         "after_lift": _process_wide_behaviour(),

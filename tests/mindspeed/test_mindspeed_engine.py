@@ -138,8 +138,6 @@ def run(tmp_path_factory):
     old = OLD_RUNS_HERE and _old_commit_present()
     one = [c for c in ONE_PROCESS if old or not c.startswith("old_")]
     two = [c for c in TWO_PROCESSES if old or not c.startswith("old_")]
-    if _mc2_refused():  # the config refuses it on this branch (test_mc2_is_refused_where_mindspeed_cannot_build_it)
-        two.remove("ms_wide_mc2")
     if not _replicates_kv_heads():  # the engine refuses it on megatron-core 0.12.1 (test_tp_over_one_kv_head)
         two.remove("ms_dense_tp2_kv1")
     engine_worker.launch_worlds(out, [(1, one), (2, two)], TIMEOUT_S)
@@ -263,12 +261,6 @@ def test_mindspeed_features_run_in_the_engine(run, case):
             assert "npu_fusion_attention[TND with a leading 0]" not in calls  # ends only, as torch_npu documents
 
 
-def _mc2_refused() -> bool:
-    from gspo_ascend.engines import mindspeed_setup
-
-    return mindspeed_setup.installed_branch() == mindspeed_setup.MC2_BROKEN_BRANCH
-
-
 def _init_params(path, cls: str) -> set[str]:
     """The parameter names of ``cls.__init__`` in the source file ``path`` (read, not imported: importing MindSpeed's
     MC2 module here would import megatron.core before the adaptor)."""
@@ -282,30 +274,26 @@ def _init_params(path, cls: str) -> set[str]:
     return names | ({"**"} if args.kwarg else set())
 
 
-def test_mc2_is_refused_where_mindspeed_cannot_build_it():
-    """On MindSpeed core_r0.16.0 with megatron-core 0.16 MC2 cannot be built: megatron's attention passes
-    ``tp_group`` to its output projection, MindSpeed's MC2 linears (which replace megatron's column / row parallel
-    linears) take no such argument. The config refuses ``actor.use_mc2`` there in one line; this test reads both
-    upstream files, so it fails (and the refusal should go) the day either side changes."""
+def test_mc2_linears_are_built_on_megatron_0_16_only_through_our_wrapper(run):
+    """On MindSpeed core_r0.16.0 with megatron-core 0.16 megatron's attention passes ``tp_group`` to its output
+    projection and MindSpeed's MC2 linears take none: ``mindspeed_setup.mc2_tp_group_wrapper`` takes it (its
+    checks: tests/unit/test_mindspeed_setup.py). This test reads both upstream files, so it fails the day either
+    side changes (the wrapper then stays out: ``_fix_mc2_tp_group`` installs it only where the pair mismatches),
+    and holds the built MC2 layers to the wrapper where they need it; 26.1.0 on megatron-core 0.12.1 passes no
+    ``tp_group`` and gets no wrapper."""
     import importlib.util
     from pathlib import Path
 
-    from gspo_ascend.config import load_config
-    from gspo_ascend.engines import mindspeed_setup
-    from gspo_ascend.errors import ConfigError
-
-    if not _mc2_refused():
-        pytest.skip("this MindSpeed builds MC2 (test_mc2_runs_mindspeeds_fused_linears_and_matches_sequence_parallel)")
     ms = Path(importlib.util.find_spec("mindspeed").submodule_search_locations[0]) / "core/tensor_parallel/mc2_feature"
     core = Path(importlib.util.find_spec("megatron.core").submodule_search_locations[0])
-    assert "tp_group=self.pg_collection.tp" in (core / "transformer/attention.py").read_text()
-    assert "tp_group" in _init_params(core / "tensor_parallel/layers.py", "RowParallelLinear")
+    passes = "tp_group=self.pg_collection.tp" in (core / "transformer/attention.py").read_text()
+    assert passes == ("tp_group" in _init_params(core / "tensor_parallel/layers.py", "RowParallelLinear"))
     for name, cls in (("row", "MC2RowParallelLinearImpl"), ("column", "MC2ColumnParallelLinearImpl")):
         assert not {"tp_group", "**"} & _init_params(ms / f"mc2_{name}_parallel_linear.py", cls), cls
-    cfg = load_config(None, ["actor.engine=megatron", "actor.use_mc2=true", "actor.tensor_parallel_size=2",
-                             "actor.sequence_parallel=true", "model.dtype=bfloat16"])  # fmt: skip
-    with pytest.raises(ConfigError, match="actor.use_mc2.*core_r0.16.0.*tp_group"):
-        mindspeed_setup.check_mc2(cfg)
+    for rank in (0, 1):
+        linears = run[1]["ms_wide_mc2"][rank]["mc2_linears"]
+        assert linears and all(cls.startswith("MindSpeedMC2") for cls in linears.values()), linears
+        assert all(wrapped == passes for wrapped in run[1]["ms_wide_mc2"][rank]["mc2_wrapped"].values())
 
 
 def test_mc2_runs_mindspeeds_fused_linears_and_matches_sequence_parallel(run, batch):
@@ -316,8 +304,6 @@ def test_mc2_runs_mindspeeds_fused_linears_and_matches_sequence_parallel(run, ba
     from tests.integration.megatron_engine_worker import TEMPERATURE
     from tests.integration.test_megatron_engine import _hf_log_probs, _hf_model
 
-    if _mc2_refused():
-        pytest.skip("MindSpeed core_r0.16.0 cannot build MC2 (test_mc2_is_refused_where_mindspeed_cannot_build_it)")
     mc2, plain = run[1]["ms_wide_mc2"], run[1]["ms_wide_sp2"]
     reference = _hf_log_probs(_hf_model("wide", run[0]), batch, TEMPERATURE)
     for rank in (0, 1):
@@ -445,9 +431,5 @@ def test_mc2_needs_tp_and_sequence_parallel():
     with pytest.raises(ConfigError, match=r"'actor\.use_mc2' needs model\.dtype bfloat16"):  # the kernels take no fp32
         _check_config(load_config(None, legal), NPU)
     cfg = load_config(None, [*legal, "model.dtype=bfloat16"])
-    if _mc2_refused():  # test_mc2_is_refused_where_mindspeed_cannot_build_it
-        with pytest.raises(ConfigError, match=r"'actor\.use_mc2'.*core_r0\.16\.0"):
-            _check_config(cfg, NPU)
-        return
     _check_config(cfg, NPU)
     assert mindspeed_setup.mindspeed_args(cfg, moe=False)["use_ascend_mc2"] is True

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_ascend.engines import mindspeed_setup
-
 # Level-0 features: MindSpeed applies them whatever the arguments (megatron basics, PTNorm = fused RMSNorm, the
 # fused RoPE / SwiGLU / softmax function replacements, grouped-matmul helpers, ...).
 ALWAYS = {
@@ -27,9 +25,7 @@ EXPECTED = {
 # whenever CP > 1 (context_parallel/gated_delta_net.py register_patches: `_use_cp`), again a layer we do not have.
 BRANCH_ALWAYS = {"0.16.0": {"dsa"}}
 BRANCH_EXPECTED = {"0.16.0": {"cp2": {"gated_delta_net"}}}
-# The configs run here: all of EXPECTED, but not "mc2" where our config refuses it (MindSpeed core_r0.16.0:
-# test_mindspeed_engine.py::test_mc2_is_refused_where_mindspeed_cannot_build_it)
-KINDS = [k for k in EXPECTED if k != "mc2" or mindspeed_setup.installed_branch() != mindspeed_setup.MC2_BROKEN_BRANCH]
+KINDS = list(EXPECTED)  # the configs run here
 DPA = "megatron.core.transformer.dot_product_attention.DotProductAttention"
 ROPE = "megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb"
 

@@ -115,15 +115,51 @@ def test_flash_attn_checks_run_with_mindspeeds_dummy_hidden_and_put_back(monkeyp
     assert sys.modules["flash_attn"] is dummy and sys.modules["flash_attn_interface"] is real
 
 
-def test_mc2_is_refused_on_the_branch_that_cannot_build_it(monkeypatch):
-    """With TP, SP and bf16 (everything else MC2 needs) the installed branch decides: core_r0.16.0 (doctor's
-    0.16.0) is refused in one line naming the key; 26.1.0 passes (the real branches: tests/mindspeed/)."""
-    legal = cfg("actor.use_mc2=true", "actor.tensor_parallel_size=2", "actor.sequence_parallel=true",
-                "model.dtype=bfloat16")  # fmt: skip
-    monkeypatch.setattr(mindspeed_setup, "installed_branch", lambda: "0.16.0")
-    with pytest.raises(ConfigError, match=r"^config key 'actor\.use_mc2': MindSpeed core_r0\.16\.0.*tp_group"):
-        mindspeed_setup.check_mc2(legal)
-    monkeypatch.setattr(mindspeed_setup, "installed_branch", lambda: "26.1.0")
-    mindspeed_setup.check_mc2(legal)
-    monkeypatch.setattr(mindspeed_setup, "installed_branch", lambda: None)  # no MindSpeed here: nothing to say
-    mindspeed_setup.check_mc2(legal)
+def test_mc2_linears_take_megatrons_tp_group_and_refuse_another(monkeypatch):
+    """MindSpeed core_r0.16.0's MC2 linears take no ``tp_group``, which megatron-core 0.16 passes every column / row
+    parallel linear (the real pair: tests/mindspeed/test_mindspeed_engine.py). The wrapper takes it, checks it is
+    megatron's TP group (the one MindSpeed's linear runs on) and keeps it as the linear's ``tp_group``; another
+    group is refused, naming the key."""
+    import types
+
+    from megatron.core import parallel_state
+
+    tp, other = object(), object()
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_group", lambda: tp)
+
+    class MindSpeedMC2RowParallelLinear:  # stands for MindSpeed's: an __init__ without tp_group
+        def __init__(self, input_size, output_size, *, config):
+            self.built = (input_size, output_size, config)
+
+    wrapped = mindspeed_setup.mc2_tp_group_wrapper(MindSpeedMC2RowParallelLinear)
+    assert wrapped.__name__ == "MindSpeedMC2RowParallelLinear" and issubclass(wrapped, MindSpeedMC2RowParallelLinear)
+    for given in (tp, None):
+        linear = wrapped(4, 8, config="c", tp_group=given)
+        assert linear.built == (4, 8, "c") and linear.tp_group is tp
+    with pytest.raises(RuntimeError, match="another tp_group; set actor.use_mc2: false"):
+        wrapped(4, 8, config="c", tp_group=other)
+
+    def patch(orig_init, impl_init):  # a MindSpeed Patch: megatron's class, MindSpeed's adaptor over its *Impl
+        impl = type("MC2RowParallelLinearImpl", (), {"__init__": impl_init})
+        adaptor = type("MindSpeedMC2RowParallelLinear", (impl,), {"__init__": lambda self, *a, **kw: None})
+        return types.SimpleNamespace(orig_func=type("RowParallelLinear", (), {"__init__": orig_init}),
+                                     patch_func=adaptor, wrappers=[])  # fmt: skip
+
+    def manager(found):
+        seen = []
+        return seen, types.SimpleNamespace(
+            patches_info={mindspeed_setup.MC2_LINEARS[1]: found},
+            register_patch=lambda target, fn: seen.append((target, fn)),
+            apply_patches=lambda: seen.append("applied"),
+        )
+
+    megatron_0_16 = lambda self, a, *, tp_group=None: None  # noqa: E731
+    megatron_0_12 = lambda self, a: None  # noqa: E731
+    mindspeed = lambda self, a, *, parallel_group=None: None  # noqa: E731
+    seen, m = manager(patch(megatron_0_16, mindspeed))
+    mindspeed_setup._fix_mc2_tp_group(m)
+    assert seen == [(mindspeed_setup.MC2_LINEARS[1], mindspeed_setup.mc2_tp_group_wrapper), "applied"]
+    for orig, impl in ((megatron_0_12, mindspeed), (megatron_0_16, megatron_0_16)):  # 26.1.0; a fixed MindSpeed
+        seen, m = manager(patch(orig, impl))
+        mindspeed_setup._fix_mc2_tp_group(m)
+        assert seen == []

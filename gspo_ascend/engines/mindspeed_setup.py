@@ -379,7 +379,8 @@ def mc2_tp_group_wrapper(cls: type) -> type:
         if tp_group is not None and tp_group is not own:
             raise RuntimeError(
                 f"MindSpeed's MC2 linear {cls.__name__} runs on megatron's tensor-parallel group, but megatron-core "
-                "built it with another tp_group; set actor.use_mc2: false for this layout"
+                "built it with another tp_group (an expert linear's, on an MoE model without grouped GEMM); set "
+                "actor.use_mc2: false for this layout"
             )
         cls.__init__(self, *args, **kwargs)
         self.tp_group = own

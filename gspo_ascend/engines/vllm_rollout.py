@@ -334,18 +334,30 @@ class EngineSteps:
         return done
 
 
+# token-layers of one sample from which a top-1 model's routes that all name expert 0 are taken for an unwritten
+# buffer: a router that sent every token of a sample to one expert in every layer is a collapsed model either way
+TOP1_UNWRITTEN_MIN = 32
+
+
 def sample_routes(sample: Any, fed: int, dtype: torch.dtype) -> torch.Tensor:
     """One sample's routes from vLLM's ``CompletionOutput.routed_experts`` ([tokens fed, layers, k], numpy): every
     prompt token and every sampled token but the last, the layout of ``SampleBatch.routed_experts``.
 
     A top-k set names k different experts; one that repeats an expert is a capture buffer the MoE kernel never
     wrote (vLLM fills it from the router's hook, which kernels that route inside themselves skip: its CPU build
-    before 0.28 returns expert 0 everywhere), and replaying it would train on experts nobody chose: refused."""
+    before 0.28 returns expert 0 everywhere), and replaying it would train on experts nobody chose: refused. A
+    top-1 model never repeats an expert; there a sample whose every route names expert 0 (the zeroed buffer, at
+    least TOP1_UNWRITTEN_MIN token-layers) is refused the same way."""
     got = getattr(sample, "routed_experts", None)
     if got is None or got.shape[0] != fed:
         shape = None if got is None else tuple(got.shape)
         raise RuntimeError(f"vLLM returned routes of shape {shape} for a sample that fed {fed} tokens")
     routes = torch.from_numpy(got.astype("int64"))
+    if routes.shape[-1] == 1 and routes.numel() >= TOP1_UNWRITTEN_MIN and not routes.any():
+        raise UncapturedRoutes(
+            f"vLLM returned expert 0 for all {routes.shape[0]} tokens in all {routes.shape[1]} layers of a top-1 "
+            "model, which is what a capture buffer its MoE kernel never wrote holds (vLLM zeroes it every step)"
+        )
     ordered = routes.sort(-1).values
     repeats = (ordered[..., 1:] == ordered[..., :-1]).any(-1).nonzero()
     if len(repeats):

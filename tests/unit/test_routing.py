@@ -391,6 +391,28 @@ def test_a_route_buffer_vllm_never_wrote_fails_r3_and_stops_the_metrics_otherwis
     assert caplog.text.count("no routing/rollout_agreement") == 1
 
 
+def test_a_top_1_route_buffer_vllm_never_wrote_is_refused_from_32_token_layers():
+    """A top-1 model never names an expert twice, so the unwritten buffer (vLLM zeroes it every step) is expert 0
+    on every token and layer: refused from TOP1_UNWRITTEN_MIN token-layers of a sample (16 tokens x 2 layers); a
+    shorter sample, or one route elsewhere, passes (the routes themselves, as given)."""
+    np = pytest.importorskip("numpy")
+    from types import SimpleNamespace
+
+    from gspo_ascend.engines.vllm_rollout import UncapturedRoutes, sample_routes
+
+    def sample(routes):
+        return SimpleNamespace(routed_experts=routes)
+
+    zeros = np.zeros((16, 2, 1), np.uint8)
+    with pytest.raises(UncapturedRoutes, match="expert 0 for all 16 tokens in all 2 layers of a top-1 model"):
+        sample_routes(sample(zeros), 16, torch.uint8)
+    assert not sample_routes(sample(zeros[:15]), 15, torch.uint8).any()  # 30 token-layers: too few to tell
+    one_elsewhere = zeros.copy()
+    one_elsewhere[7, 1, 0] = 3
+    got = sample_routes(sample(one_elsewhere), 16, torch.uint8)
+    assert got.dtype == torch.uint8 and got[7, 1, 0] == 3 and int(got.sum()) == 3
+
+
 def test_each_rank_scores_the_samples_it_will_update():
     """r2 across data-parallel ranks: a rank's old-log-prob forward must cover the samples its update trains (the
     routes stay on the rank that recorded them). Four ranks, two minibatches: the shards of compute_log_probs and

@@ -107,6 +107,28 @@ def test_vllms_routes_are_its_routers_choice_on_every_token_fed(captured):
     assert agree == total and worst < LOG_PROB_TOLERANCE, (agree, total, worst)
 
 
+def test_the_selftest_route_step_passes_vllms_routes_and_refuses_them_misaligned(captured):
+    """``gspo-ascend selftest``'s rollout/vllm_moe route step (selftest/rollout.py::_routes), the check a cluster
+    runs on its own vLLM, on vLLM's real routes: all token-layers agree; the same routes one layer off (a capture
+    bound to the wrong layers) fail it."""
+    from types import SimpleNamespace
+
+    from gspo_ascend.device import CPU
+    from gspo_ascend.selftest import rollout
+    from gspo_ascend.selftest.report import CheckFailed
+
+    batch, reference = captured["first"], rollout._Reference(CPU, captured["first_path"])
+    engine = SimpleNamespace(host_build=True)
+    note = rollout._routes(engine, batch, reference, reference.original)
+    assert (
+        note
+        == f"; routes: the HF routers' own on 100.00% of {2 * sum(len(r) for r in batch.routed_experts)} token-layers"
+    )
+    swapped = batch.replace(routed_experts=[r.flip(1) for r in batch.routed_experts])  # layer 0 <-> layer 1
+    with pytest.raises(CheckFailed, match="not this model's routes"):
+        rollout._routes(engine, swapped, reference, reference.original)
+
+
 def test_prefix_cached_prompt_tokens_come_back_with_their_routes(captured):
     """The second call's prompts found their first 128 tokens (one whole KV block) in vLLM's prefix cache, so
     vLLM did not compute them again; their routes still come back, those of the first call, and the router's."""

@@ -166,8 +166,7 @@ def _routes(engine, batch, reference: _Reference, state: dict[str, torch.Tensor]
             with routing.routed(reference.model, compare=routes.long().to(device)) as log:
                 reference.model(input_ids=fed)
             agreement.merge(log.agreement)
-    numbers = agreement.numbers()
-    matched, counted = sum(numbers[: len(numbers) // 2]), sum(numbers[len(numbers) // 2 :])
+    matched, counted = sum(float(m) for m in agreement.matches), sum(float(t) for t in agreement.tokens)
     share = matched / counted if counted else 0.0
     if share < ROUTE_BOUND:
         raise CheckFailed(

@@ -398,7 +398,7 @@ def test_tp_over_more_ranks_than_kv_heads_needs_megatron_core_0_16(monkeypatch, 
     if not refused:
         megatron_setup._check_model(cfg, hf, 2, on_cpu=True)
         return
-    said = f"megatron-core {version or '(not installed)'} cannot replicate them (0.16.0 and later can)"
+    said = f"megatron-core {version or 'of unknown version'} cannot replicate them (0.16.0 and later can)"
     with pytest.raises(ConfigError, match=re.escape(f"num_key_value_heads (1) must divide by TP: {said}")):
         megatron_setup._check_model(cfg, hf, 2, on_cpu=True)
 

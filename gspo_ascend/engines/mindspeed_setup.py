@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -391,7 +390,7 @@ def mc2_tp_group_wrapper(cls: type) -> type:
 def _fix_mc2_tp_group(manager: type) -> None:
     """Wrap MindSpeed's MC2 linears with :func:`mc2_tp_group_wrapper` where MC2 registered them and they lack
     megatron's ``tp_group`` argument (core_r0.16.0 on megatron-core 0.16; 26.1.0's on 0.12.1 have no such argument
-    to take), and apply it."""
+    to take), and apply it. Runs after MindSpeed applied its patches, so each holds megatron's original class."""
     import inspect
 
     changed = False
@@ -399,7 +398,7 @@ def _fix_mc2_tp_group(manager: type) -> None:
         patch = manager.patches_info.get(target)
         if patch is None or patch.patch_func is None or mc2_tp_group_wrapper in patch.wrappers:
             continue
-        megatron_takes = "tp_group" in inspect.signature(patch.orig_func or _attr_path(target)).parameters
+        megatron_takes = patch.orig_func is not None and "tp_group" in inspect.signature(patch.orig_func).parameters
         # MindSpeed's adaptor class passes **kwargs on to its MC2*Impl, whose __init__ names what it takes
         impl = next((c for c in patch.patch_func.__mro__ if c.__name__.endswith("ParallelLinearImpl")), None)
         if megatron_takes and impl is not None and "tp_group" not in inspect.signature(impl.__init__).parameters:
@@ -407,11 +406,6 @@ def _fix_mc2_tp_group(manager: type) -> None:
             changed = True
     if changed:
         manager.apply_patches()
-
-
-def _attr_path(target: str) -> Any:
-    module, name = target.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)
 
 
 def registered_features() -> dict[str, tuple[str, ...]]:

@@ -7,8 +7,9 @@ elsewhere. Its reasons are facts of the wheel, held here:
   ``fused_moe/oracle/unquantized.py`` is run itself (its source, compiled here, with its own ``UnquantizedMoeBackend``
   enum), against a stand-in ``current_platform`` that answers the capability queries as an H100, an A100, a B200,
   an RTX Blackwell would; each candidate's ``_supports_current_device`` likewise (FlashInfer's TRTLLM bf16 kernel:
-  sm 10.x alone). The rest of each kernel's ``is_supported_config`` (bf16, SiLU, softmax top-k renormalised,
-  TP only: Qwen3-MoE) is read, not run: it would import vLLM's compiled ops;
+  sm 10.x alone), and its ``_supports_quant_scheme`` for unquantized weights. The rest of each kernel's
+  ``is_supported_config`` (SiLU, softmax top-k renormalised, TP only: Qwen3-MoE) is not checked here; it does not
+  vary by device for these kernels (read in the wheel);
 * which kernels are monolithic (route inside themselves: the runner skips the router) and which are modular (the
   router routes, and its ``select_experts`` calls the capture hook);
 * that an explicit ``moe_backend`` is taken before the FlashInfer environment switches, and that "triton" is one.
@@ -21,21 +22,22 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import enum
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from gspo_ascend.engines import vllm_env
 
-from .upstream import upstream_file
+from .signatures import find
 
-FUSED_MOE = "vllm/model_executor/layers/fused_moe"
+MOE = "vllm.model_executor.layers.fused_moe"
+ORACLE = f"{MOE}.oracle.unquantized"
 KERNELS = {  # the unquantized backends' classes (oracle/unquantized.py::backend_to_kernel_cls)
-    "FLASHINFER_TRTLLM": ("experts/trtllm_bf16_moe.py", "TrtLlmBf16Experts"),
-    "FLASHINFER_CUTLASS": ("experts/flashinfer_cutlass_moe.py", "FlashInferExperts"),
-    "TRITON": ("experts/triton_moe.py", "TritonExperts"),
+    "FLASHINFER_TRTLLM": f"{MOE}.experts.trtllm_bf16_moe.TrtLlmBf16Experts",
+    "FLASHINFER_CUTLASS": f"{MOE}.experts.flashinfer_cutlass_moe.FlashInferExperts",
+    "TRITON": f"{MOE}.experts.triton_moe.TritonExperts",
 }
 DEVICES = {"A100": (8, 0), "H100 / H20": (9, 0), "B200": (10, 0), "RTX Blackwell": (12, 0)}
 # read in oracle/unquantized.py and each kernel's _supports_current_device / _supports_quant_scheme: FlashInfer
@@ -48,15 +50,13 @@ DEFAULT_KERNEL = {
 }
 
 
-def _tree(relpath: str) -> ast.Module:
-    return ast.parse(Path(upstream_file("vllm", f"{FUSED_MOE}/{relpath}")).read_text())
-
-
-def _node(tree: ast.AST, name: str, kind=ast.FunctionDef):
-    found = [n for n in ast.walk(tree) if isinstance(n, kind) and n.name == name]
-    if not found:
-        pytest.fail(f"vLLM 0.23.0's {FUSED_MOE} has no {name}: the pinned wheel changed")
-    return found[0]
+def _node(dotted: str) -> ast.FunctionDef | ast.ClassDef:
+    """A copy of the pinned definition's AST (signatures.find: methods through their bases; the parsed modules are
+    shared with the signature suite, so what is compiled here is copied first)."""
+    try:
+        return copy.deepcopy(find(dotted).node)
+    except LookupError as e:
+        pytest.fail(f"vLLM 0.23.0 has no {dotted} ({e}): the pinned wheel changed")
 
 
 class Platform:
@@ -103,9 +103,8 @@ def _compiled(nodes: list[ast.AST], namespace: dict) -> dict:
 
 
 def _priority(capability: tuple[int, int]) -> list[str]:
-    tree = _tree("oracle/unquantized.py")
     namespace = _compiled(
-        [_node(tree, "UnquantizedMoeBackend", ast.ClassDef), _node(tree, "_get_priority_backends")],
+        [_node(f"{ORACLE}.UnquantizedMoeBackend"), _node(f"{ORACLE}._get_priority_backends")],
         {"Enum": enum.Enum, "current_platform": Platform(capability), "FusedMoEConfig": object},
     )
     config = SimpleNamespace(moe_parallel_config=SimpleNamespace(dp_size=1))  # TP only, as our rollout runs
@@ -115,8 +114,7 @@ def _priority(capability: tuple[int, int]) -> list[str]:
 def _supports(backend: str, method: str, capability: tuple[int, int], *args) -> bool:
     """One of a kernel's ``_supports_*`` static methods, its own source run as this device; names it reads that
     are not the platform's (quantisation keys) are distinct stand-ins, equal only to themselves."""
-    relpath, cls = KERNELS[backend]
-    node = _node(_node(_tree(relpath), cls, ast.ClassDef), method)
+    node = _node(f"{KERNELS[backend]}.{method}")
     node.decorator_list = []
     namespace = {
         "current_platform": Platform(capability),
@@ -147,10 +145,9 @@ def _default_kernel(capability: tuple[int, int]) -> str:
 
 def _kind(backend: str) -> str:
     """The kernel's kind, monolithic or modular, by its class's base in ``modular_kernel.py`` (one of the two)."""
-    relpath, cls = KERNELS[backend]
-    bases = {ast.unparse(b) for b in _node(_tree(relpath), cls, ast.ClassDef).bases}
+    bases = {ast.unparse(b) for b in _node(KERNELS[backend]).bases}
     kinds = [k for k in ("monolithic", "modular") if f"mk.FusedMoEExperts{k.capitalize()}" in bases]
-    assert len(kinds) == 1, f"{cls}'s bases {sorted(bases)}"
+    assert len(kinds) == 1, f"{KERNELS[backend]}'s bases {sorted(bases)}"
     return kinds[0]
 
 
@@ -174,11 +171,11 @@ def test_a_monolithic_kernel_skips_the_router_whose_select_experts_captures():
     """``runner/moe_runner.py::_apply_quant_method``: a monolithic kernel gets the router logits and never calls
     ``router.select_experts``; the modular branch does, and ``BaseRouter.select_experts`` calls ``capture_fn``
     (``router/base_router.py``), the hook vLLM's model runner binds to the route buffer."""
-    apply = _node(_tree("runner/moe_runner.py"), "_apply_quant_method")
+    apply = _node(f"{MOE}.runner.moe_runner.MoERunner._apply_quant_method")
     branch = next(n for n in ast.walk(apply) if isinstance(n, ast.If) and "is_monolithic" in ast.unparse(n.test))
     assert "select_experts" not in ast.unparse(branch.body) and "apply_monolithic" in ast.unparse(branch.body)
     assert "self.router.select_experts" in ast.unparse(branch.orelse)
-    select = _node(_node(_tree("router/base_router.py"), "BaseRouter", ast.ClassDef), "select_experts")
+    select = _node(f"{MOE}.router.base_router.BaseRouter.select_experts")
     assert "self.capture_fn(topk_ids)" in ast.unparse(select)
 
 
@@ -186,13 +183,12 @@ def test_an_explicit_moe_backend_is_taken_before_the_flashinfer_switches():
     """``select_unquantized_moe_backend`` returns the user's ``moe_backend`` before it reads
     VLLM_USE_FLASHINFER_MOE_FP16, and "triton" maps to the Triton kernel (``map_unquantized_backend``). The
     engine argument itself binds to ``EngineArgs`` in test_vllm_api_conformance.py (our call passes it)."""
-    tree = _tree("oracle/unquantized.py")
-    select = _node(tree, "select_unquantized_moe_backend")
+    select = _node(f"{ORACLE}.select_unquantized_moe_backend")
     explicit = next(
         n for n in select.body if isinstance(n, ast.If) and "runner_backend != 'auto'" in ast.unparse(n.test)
     )
     switches = [n for n in select.body if "VLLM_USE_FLASHINFER_MOE_FP16" in ast.unparse(n)]
     assert switches and explicit.lineno < switches[0].lineno
     assert isinstance(explicit.body[-1], ast.Return)
-    mapping = _node(tree, "map_unquantized_backend")
+    mapping = _node(f"{ORACLE}.map_unquantized_backend")
     assert f"'{vllm_env.ROUTED_MOE_BACKEND}': UnquantizedMoeBackend.TRITON" in ast.unparse(mapping)
